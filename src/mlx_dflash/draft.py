@@ -1,0 +1,383 @@
+"""The DFlash draft model and its checkpoint I/O.
+
+A draft is a handful of pre-norm Qwen3 decoder layers with no embedding and no
+head: it borrows the target's. It fills a block ``[x, MASK, ..., MASK]`` in one
+non-causal forward pass, conditioned on the target's hidden states through "KV
+injection": every layer projects the context features with its own k/v
+projections and prepends them to the block's keys and values.
+
+The on-disk format is the published one (``config.json`` + ``*.safetensors``
+with no key prefix), so drafts trained elsewhere load here and drafts saved
+here load in SGLang and vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .errors import DFlashError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> list[int]:
+    """Target layers tapped when a checkpoint does not list them (the reference rule).
+
+    One tap: the middle layer. Otherwise evenly spread from layer 1 to layer L-3,
+    e.g. L=36, K=5 -> [1, 9, 17, 25, 33].
+    """
+    if num_draft_inputs == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + j * span / (num_draft_inputs - 1)) for j in range(num_draft_inputs)]
+
+
+@dataclass
+class DraftConfig:
+    """The fields of a published draft ``config.json`` that the model uses."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    max_position_embeddings: int
+    block_size: int
+    num_target_layers: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    rope_scaling: Optional[dict] = None
+    layer_types: Optional[list[str]] = None
+    sliding_window: Optional[int] = None
+    extra: dict = field(default_factory=dict)  # unknown fields, written back on save
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DraftConfig":
+        raw = dict(raw)
+        dflash = raw.pop("dflash_config", None) or {}
+        required = [
+            "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "vocab_size", "num_target_layers",
+        ]
+        missing = [k for k in required if k not in raw]
+        if "mask_token_id" not in dflash:
+            missing.append("dflash_config.mask_token_id")
+        if missing:
+            raise DFlashError(f"draft config.json lacks {', '.join(missing)}")
+        heads = raw["num_attention_heads"]
+        layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(
+            raw["num_target_layers"], raw["num_hidden_layers"]
+        )
+        known = {
+            "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "rope_theta", "vocab_size", "max_position_embeddings", "block_size",
+            "num_target_layers", "rope_scaling", "layer_types", "sliding_window",
+        }
+        return cls(
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta", 1_000_000.0),
+            vocab_size=raw["vocab_size"],
+            max_position_embeddings=raw.get("max_position_embeddings", 40960),
+            block_size=raw.get("block_size", 16),
+            num_target_layers=raw["num_target_layers"],
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=[int(i) for i in layer_ids],
+            rope_scaling=raw.get("rope_scaling"),
+            layer_types=raw.get("layer_types"),
+            sliding_window=raw.get("sliding_window"),
+            extra={k: v for k, v in raw.items() if k not in known},
+        )
+
+    def to_dict(self) -> dict:
+        out = dict(self.extra)
+        out.update(
+            {
+                "architectures": ["DFlashDraftModel"],
+                "model_type": out.get("model_type", "qwen3"),
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim,
+                "rms_norm_eps": self.rms_norm_eps,
+                "rope_theta": self.rope_theta,
+                "rope_scaling": self.rope_scaling,
+                "vocab_size": self.vocab_size,
+                "max_position_embeddings": self.max_position_embeddings,
+                "block_size": self.block_size,
+                "num_target_layers": self.num_target_layers,
+                "dflash_config": {
+                    "mask_token_id": self.mask_token_id,
+                    "target_layer_ids": self.target_layer_ids,
+                },
+            }
+        )
+        if self.layer_types is not None:
+            out["layer_types"] = self.layer_types
+            out["sliding_window"] = self.sliding_window
+        return out
+
+    def is_sliding(self, layer_index: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer_index] == "sliding_attention"
+
+
+class DraftAttention(nn.Module):
+    """Block queries attend to [context K/V ; block K/V], all with this layer's projections."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        dim, hd = config.hidden_size, config.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.scale = hd**-0.5
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=config.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd,
+            base=config.rope_theta,
+            traditional=False,
+            scaling_config=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def _heads(self, x: mx.array, n_heads: int) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, n_heads, -1).transpose(0, 2, 1, 3)
+
+    def context_kv(self, context: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """Projected, normed, RoPE'd K/V of context features (what the draft cache stores)."""
+        keys = self.rope(self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads)), offset=offset)
+        values = self._heads(self.v_proj(context), self.n_kv_heads)
+        return keys, values
+
+    def __call__(
+        self,
+        x: mx.array,
+        context: Optional[mx.array],
+        cache: KVCache,
+        mask: Optional[mx.array],
+    ) -> mx.array:
+        B, L, _ = x.shape
+        if context is not None and context.shape[1] > 0:
+            ctx_k, ctx_v = cache.update_and_fetch(*self.context_kv(context, cache.offset))
+        elif cache.offset > 0:
+            ctx_k, ctx_v = cache.keys_and_values()
+        else:
+            ctx_k = ctx_v = None
+        start = cache.offset  # the block's first token sits right after the context
+        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
+        keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=start)
+        values = self._heads(self.v_proj(x), self.n_kv_heads)
+        if ctx_k is not None:
+            keys = mx.concatenate([ctx_k, keys], axis=2)
+            values = mx.concatenate([ctx_v, values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer; the context enters only through attention K/V."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = DraftMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def __call__(self, x, context, cache, mask):
+        h = x + self.self_attn(self.input_layernorm(x), context, cache, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def sliding_block_mask(block_len: int, context_len: int, window: int) -> mx.array:
+    """Causal, windowed mask for block queries over [context ; block] keys."""
+    q_pos = mx.arange(context_len, context_len + block_len)[:, None]
+    k_pos = mx.arange(context_len + block_len)[None]
+    return (k_pos <= q_pos) & (q_pos - k_pos < window)
+
+
+class DFlashDraft(nn.Module):
+    """The draft network. ``__call__`` maps block embeddings to final hidden states;
+    the caller applies the target's head (the draft has none)."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        H, K = config.hidden_size, len(config.target_layer_ids)
+        self.fc = nn.Linear(K * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.layers = [DraftLayer(config) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def project_context(self, tapped: mx.array) -> mx.array:
+        """Context features C = hidden_norm(fc(concat of tapped target hidden states))."""
+        return self.hidden_norm(self.fc(tapped))
+
+    def __call__(
+        self,
+        block_embeddings: mx.array,
+        new_context: Optional[mx.array],
+        cache: list[KVCache],
+    ) -> mx.array:
+        """Run one block. ``new_context`` holds projected features of tokens committed
+        since the last call; they are appended to ``cache`` (committed context only)."""
+        h = block_embeddings
+        block_len = h.shape[1]
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            mask = None  # non-causal: every block query sees all context and block keys
+            if self.config.is_sliding(i):
+                n_new = 0 if new_context is None else new_context.shape[1]
+                mask = sliding_block_mask(block_len, layer_cache.offset + n_new, self.config.sliding_window)
+            h = layer(h, new_context, layer_cache, mask)
+        return self.norm(h)
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint I/O
+
+
+def _resolve_path(path_or_repo: str) -> Path:
+    """A local folder, or a Hugging Face repo id resolved the way mlx-lm does."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        return path
+    if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
+        raise DFlashError(f"draft not found: {path_or_repo}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path_or_repo, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # offline, unknown repo, auth: all one message for the user
+        raise DFlashError(f"draft {path_or_repo!r} is not a local folder and could not be fetched: {exc}") from None
+
+
+def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDraft:
+    """Load a draft in the published format; every failure is a one-line DFlashError."""
+    path = _resolve_path(path_or_repo)
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise DFlashError(f"{path} has no {CONFIG_FILE}: not a DFlash draft folder")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"{config_path} is not valid JSON: {exc}") from None
+    config = DraftConfig.from_dict(raw)
+    weight_files = sorted(path.glob("*.safetensors"))
+    if not weight_files:
+        raise DFlashError(f"{path} has no *.safetensors weights")
+    weights: dict[str, mx.array] = {}
+    for file in weight_files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as exc:
+            raise DFlashError(f"cannot read draft weights {file}: {exc}") from None
+    draft = DFlashDraft(config)
+    quantization = raw.get("quantization")
+    if quantization:
+        quantize_draft(draft, quantization["bits"], quantization["group_size"])
+    try:
+        draft.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise DFlashError(f"draft weights in {path} do not match its config: {exc}") from None
+    if dtype is not None and not quantization:
+        draft.set_dtype(dtype)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def quantize_draft(draft: DFlashDraft, bits: int, group_size: int = 64) -> None:
+    """Quantize the draft's linear layers in place (its norms stay in float)."""
+    nn.quantize(draft, group_size=group_size, bits=bits)
+    draft.config.extra["quantization"] = {"group_size": group_size, "bits": bits}
+
+
+def save_draft(draft: DFlashDraft, path: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the published layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(draft.parameters()))
+    mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
+    (path / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
+    return path
+
+
+def create_random_draft(
+    target_config: dict[str, Any],
+    *,
+    num_layers: int = 5,
+    block_size: int = 16,
+    mask_token_id: int,
+    target_layer_ids: Optional[list[int]] = None,
+    seed: int = 0,
+) -> DFlashDraft:
+    """A freshly initialised draft shaped after the target's layers (for tests and training)."""
+    num_target_layers = target_config["num_hidden_layers"]
+    heads = target_config["num_attention_heads"]
+    layer_ids = target_layer_ids or default_target_layer_ids(num_target_layers, num_layers)
+    config = DraftConfig(
+        hidden_size=target_config["hidden_size"],
+        intermediate_size=target_config["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=target_config.get("num_key_value_heads") or heads,
+        head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
+        rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
+        rope_theta=target_config.get("rope_theta", 1_000_000.0),
+        rope_scaling=target_config.get("rope_scaling"),
+        vocab_size=target_config["vocab_size"],
+        max_position_embeddings=target_config.get("max_position_embeddings", 40960),
+        block_size=block_size,
+        num_target_layers=num_target_layers,
+        mask_token_id=mask_token_id,
+        target_layer_ids=layer_ids,
+    )
+    mx.random.seed(seed)
+    draft = DFlashDraft(config)
+    mx.eval(draft.parameters())
+    return draft

@@ -1,0 +1,297 @@
+"""The DFlash decode loop: prefill, draft, verify, accept, roll back.
+
+Read ``decode_cycles`` top to bottom: it is the whole algorithm. Everything
+else here turns its token ids into text, stop handling and statistics.
+
+One device-to-host sync per cycle: the target's choices (which also give the
+accept count) are read once; the next cycle is queued with ``mx.async_eval``
+before the caller detokenizes the current one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Protocol, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .draft import DFlashDraft
+from .errors import DFlashError
+from .target import Target, check_compatible
+
+PREFILL_STEP = 2048
+
+
+class Proposer(Protocol):
+    """Anything that drafts a block: the DFlash draft, or a replay for tests/benchmarks."""
+
+    layer_ids: list[int]  # target layers whose outputs it consumes
+    block_size: int  # the largest block it drafts for
+
+    def start(self, target: Target) -> None:
+        """Begin a new sequence."""
+
+    def add_context(self, features: mx.array) -> None:
+        """Tapped target features [1, n, K*H] of n newly committed tokens."""
+
+    def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        """Draft ``num_tokens`` tokens following ``first_token`` (shape [1])."""
+
+
+class DFlashProposer:
+    """Greedy block drafts from a DFlash draft model, using the target's embedding and head."""
+
+    def __init__(self, draft: DFlashDraft):
+        self.draft = draft
+        self.layer_ids = draft.config.target_layer_ids
+        self.block_size = draft.block_size
+        self.mask_id = mx.array([draft.config.mask_token_id], dtype=mx.uint32)
+
+    def start(self, target: Target) -> None:
+        self.target = target
+        self.cache = self.draft.make_cache()
+        self.pending: list[mx.array] = []
+
+    def add_context(self, features: mx.array) -> None:
+        self.pending.append(self.draft.project_context(features))
+
+    def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
+        new_context = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=1)
+        self.pending = []
+        hidden = self.draft(self.target.embed(block[None]), new_context, self.cache)
+        logits = self.target.head(hidden[:, 1:])
+        return mx.argmax(logits[0], axis=-1)
+
+
+@dataclass
+class Cycle:
+    """Tokens committed by one step: the prefill's first token, or a verified block."""
+
+    tokens: list[int]
+    acceptance_length: Optional[int]  # a + 1 for a verify cycle; None for the prefill token
+    block_length: int = 1
+
+
+def _prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[Any]) -> mx.array:
+    """Run the prompt through the target in chunks; return the logits of its last position."""
+    for start in range(0, prompt.size, PREFILL_STEP):
+        logits, features = target(prompt[None, start : start + PREFILL_STEP], cache)
+        proposer.add_context(features)
+        if start + PREFILL_STEP < prompt.size:
+            mx.eval([c.state for c in cache])
+    return logits[0, -1]
+
+
+def decode_cycles(
+    target: Target,
+    proposer: Proposer,
+    prompt: mx.array,
+    max_tokens: int,
+    block_size: int,
+) -> Iterator[Cycle]:
+    """Greedy DFlash decoding; yields committed tokens cycle by cycle, at most ``max_tokens``."""
+    cache = target.make_cache()
+    proposer.start(target)
+    bonus = mx.argmax(_prefill(target, proposer, prompt, cache), keepdims=True)  # [1]
+
+    def launch(first: mx.array, block_len: int):
+        """Draft and verify one block (lazily); queue it on the device."""
+        drafted = proposer.propose(first, block_len - 1) if block_len > 1 else first[:0]
+        logits, features = target(mx.concatenate([first, drafted.astype(first.dtype)])[None], cache)
+        choice = mx.argmax(logits[0], axis=-1)  # the target's own token after each block position
+        matched = mx.cumprod((drafted == choice[:-1]).astype(mx.int32))
+        accepted = matched.sum(keepdims=True)  # a: drafted tokens equal to the target's choice
+        mx.async_eval(choice, accepted, features)
+        return choice, accepted, features
+
+    emitted = 1
+    yield Cycle([bonus.item()], None)
+    pending = launch(bonus, min(block_size, max_tokens - emitted)) if emitted < max_tokens else None
+    while pending is not None:
+        choice, accepted, features = pending
+        block_len = choice.size
+        a = accepted.item()  # the cycle's single device-to-host sync (choice is evaluated with it)
+        committed = choice[: a + 1].tolist()  # d1..da equal t0..t(a-1); t(a) is the bonus token
+        target.rollback(cache, block_len - (a + 1))  # drop rejected drafts (the bonus is not cached)
+        proposer.add_context(features[:, : a + 1])
+        emitted += a + 1
+        bonus = choice[a : a + 1]
+        pending = launch(bonus, min(block_size, max_tokens - emitted)) if emitted < max_tokens else None
+        yield Cycle(committed, a + 1, block_len)
+
+
+# ---------------------------------------------------------------------------
+# Text, stops and statistics
+
+
+@dataclass
+class StreamResponse:
+    """One streamed piece of output, in the spirit of mlx-lm's GenerationResponse."""
+
+    text: str
+    tokens: list[int]
+    acceptance_length: Optional[int]
+    cycle: int
+    prompt_tokens: int
+    prefill_seconds: float
+    generation_tokens: int
+    decode_tokens_per_sec: float
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens_per_sec: float
+    cycles: int
+    acceptance_lengths: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def _find_stop(text: str, stops: Sequence[str], search_from: int) -> Optional[int]:
+    hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def make_proposer(model: nn.Module, draft: Union[DFlashDraft, Proposer]) -> tuple[Target, Proposer]:
+    if isinstance(draft, DFlashDraft):
+        check_compatible(draft, model)
+        draft = DFlashProposer(draft)
+    return Target(model, draft.layer_ids), draft
+
+
+def encode_prompt(tokenizer, prompt: Union[str, list[int], mx.array]) -> mx.array:
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt.astype(mx.uint32)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise DFlashError("the prompt is empty")
+    return prompt
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: Union[str, list[int], mx.array],
+    draft: Union[DFlashDraft, Proposer],
+    max_tokens: int = 256,
+    block_size: Optional[int] = None,
+    stop: Optional[Sequence[str]] = None,
+) -> Iterator[StreamResponse]:
+    """Stream DFlash output; each response carries one cycle's text and statistics.
+
+    Output ends at the first EOS (not emitted), at ``max_tokens`` tokens, or at the
+    first stop string (text cut before it; tokens end with the one completing it).
+    """
+    target, proposer = make_proposer(model, draft)
+    block_size = block_size or proposer.block_size
+    if not 1 <= block_size <= proposer.block_size:
+        raise DFlashError(f"block size must be in 1..{proposer.block_size} (the draft's), got {block_size}")
+    if max_tokens < 1:
+        raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
+    stops = [s for s in (stop or []) if s]
+    hold_back = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
+    prompt = encode_prompt(tokenizer, prompt)
+    eos = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+
+    tokens: list[int] = []
+    sent_chars = 0
+    tic = time.perf_counter()
+    prefill_s = 0.0
+    for n_cycle, cycle in enumerate(decode_cycles(target, proposer, prompt, max_tokens, block_size)):
+        if n_cycle == 0:
+            prefill_s = time.perf_counter() - tic
+            tic = time.perf_counter()
+        finish, cut, new = None, None, []
+        for token in cycle.tokens:
+            if token in eos:
+                finish = "stop"
+                break
+            tokens.append(token)
+            new.append(token)
+            detokenizer.add_token(token)
+            if stops:
+                text = detokenizer.text
+                cut = _find_stop(text, stops, max(0, sent_chars - hold_back))
+                if cut is not None:
+                    finish = "stop"
+                    break
+            if len(tokens) == max_tokens:
+                finish = "length"
+                break
+        if finish:
+            detokenizer.finalize()
+        text = detokenizer.text
+        end = cut if cut is not None else (len(text) if finish else max(sent_chars, len(text) - hold_back))
+        segment, sent_chars = text[sent_chars:end], max(sent_chars, end)
+        elapsed = time.perf_counter() - tic
+        yield StreamResponse(
+            text=segment,
+            tokens=new,
+            acceptance_length=cycle.acceptance_length,
+            cycle=n_cycle,
+            prompt_tokens=prompt.size,
+            prefill_seconds=prefill_s,
+            generation_tokens=len(tokens),
+            decode_tokens_per_sec=max(len(tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
+            finish_reason=finish,
+        )
+        if finish:
+            return
+
+
+def generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: Union[str, list[int], mx.array],
+    draft: Union[DFlashDraft, Proposer],
+    **kwargs,
+) -> GenerationResult:
+    """Run ``stream_generate`` to completion and collect tokens, text and statistics."""
+    tokens: list[int] = []
+    pieces: list[str] = []
+    acceptance: list[int] = []
+    tic = time.perf_counter()
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, draft, **kwargs):
+        tokens += last.tokens
+        pieces.append(last.text)
+        if last.acceptance_length is not None:
+            acceptance.append(last.acceptance_length)
+    total = time.perf_counter() - tic
+    decode_s = total - last.prefill_seconds
+    return GenerationResult(
+        tokens=tokens,
+        text="".join(pieces),
+        prompt_tokens=last.prompt_tokens,
+        prefill_seconds=last.prefill_seconds,
+        decode_seconds=decode_s,
+        decode_tokens_per_sec=max(len(tokens) - 1, 0) / decode_s if decode_s > 0 else 0.0,
+        cycles=len(acceptance),
+        acceptance_lengths=acceptance,
+        finish_reason=last.finish_reason,
+    )
+
+
+def generate_text_stats(last: StreamResponse, acceptance: Sequence[int], block_size: int) -> str:
+    """The one-line summary printed after a generation."""
+    mean = sum(acceptance) / max(len(acceptance), 1)
+    return (
+        f"prefill {last.prefill_seconds:.3f}s ({last.prompt_tokens} tokens) | "
+        f"decode {last.decode_tokens_per_sec:.1f} tok/s ({last.generation_tokens} tokens, {len(acceptance)} cycles) | "
+        f"mean acceptance length {mean:.2f} | acceptance rate {(mean - 1) / max(block_size - 1, 1):.1%}"
+    )

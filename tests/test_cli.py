@@ -1,0 +1,47 @@
+"""The command line: a full run on tiny files, and one-line errors for bad input."""
+
+import json
+
+import pytest
+from tiny_models import MASK_ID, make_tiny_target
+
+from mlx_dflash import create_random_draft, save_draft
+from mlx_dflash.cli import main
+
+
+@pytest.fixture(scope="module")
+def files(tiny_dir):
+    target = make_tiny_target(tiny_dir / "cli-qwen3", "qwen3")
+    config = json.loads((target / "config.json").read_text())
+    draft = save_draft(create_random_draft(config, num_layers=1, mask_token_id=MASK_ID), tiny_dir / "cli-draft")
+    return str(target), str(draft)
+
+
+def test_generate_streams_text_and_stats(files, capsys):
+    target, draft = files
+    code = main(["generate", "--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "20", "--no-chat"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "decode" in out and "tok/s" in out and "mean acceptance length" in out
+
+
+def test_chat_template_is_applied(files, capsys):
+    target, draft = files
+    assert main(["generate", "--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "5", "--chat"]) == 0
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model", "/no/such/model"], "model not found"),
+        (["--draft", "/no/such/draft"], "draft not found"),
+        (["--max-tokens", "0"], "max-tokens"),
+        (["--block-size", "99"], "block size"),
+    ],
+)
+def test_bad_input_is_one_line(files, capsys, extra, message):
+    target, draft = files
+    args = ["generate", "--model", target, "--draft", draft, "--prompt", "x", *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

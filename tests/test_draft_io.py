@@ -1,0 +1,156 @@
+"""Draft checkpoints: the published format, round trips, and clear errors."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from tiny_models import MASK_ID, load_tiny, make_tiny_target
+
+from mlx_dflash import DFlashError, create_random_draft, generate, load_draft, save_draft
+from mlx_dflash.draft import default_target_layer_ids
+from mlx_dflash.target import check_compatible
+
+PUBLISHED_LAYER_KEYS = [
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    path = make_tiny_target(tiny_dir / "io-qwen3", "qwen3")
+    model, tokenizer = load_tiny(path)
+    return path, model, tokenizer, json.loads((path / "config.json").read_text())
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(28, 1) == [14]
+
+
+def test_saved_files_use_published_names(target, tmp_path):
+    _, _, _, config = target
+    draft = create_random_draft(config, num_layers=2, mask_token_id=MASK_ID, target_layer_ids=[1, 4])
+    save_draft(draft, tmp_path / "d")
+    weights = mx.load(str(tmp_path / "d" / "model.safetensors"))
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    expected |= {f"layers.{i}.{k}" for i in range(2) for k in PUBLISHED_LAYER_KEYS}
+    assert set(weights) == expected
+    assert weights["fc.weight"].shape == (64, 2 * 64)
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert saved["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 4]}
+    assert saved["block_size"] == 16 and saved["num_target_layers"] == 6
+
+
+def test_round_trip_gives_identical_drafts(target, tmp_path):
+    _, model, tokenizer, config = target
+    draft = create_random_draft(config, num_layers=2, mask_token_id=MASK_ID)
+    save_draft(draft, tmp_path / "d")
+    loaded = load_draft(str(tmp_path / "d"))
+    for (k1, v1), (k2, v2) in zip(tree_flatten(draft.parameters()), tree_flatten(loaded.parameters())):
+        assert k1 == k2 and mx.array_equal(v1, v2)
+    assert loaded.config.to_dict() == draft.config.to_dict()
+    prompt = tokenizer.encode("abc")
+    tokenizer.eos_token_ids = set()
+    a = generate(model, tokenizer, prompt, draft, max_tokens=20)
+    b = generate(model, tokenizer, prompt, loaded, max_tokens=20)
+    assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
+
+
+def test_loads_a_checkpoint_written_by_another_tool(target, tmp_path):
+    """Weights written straight from the spec's key list (bf16, as published) load unchanged."""
+    _, model, _, config = target
+    rng = np.random.default_rng(0)
+    H, I, hd = 64, 128, 16
+    shapes = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    per_layer = {
+        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (4 * hd, H), "self_attn.k_proj.weight": (2 * hd, H),
+        "self_attn.v_proj.weight": (2 * hd, H), "self_attn.o_proj.weight": (H, 4 * hd),
+        "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+    }
+    shapes |= {f"layers.{i}.{k}": s for i in range(3) for k, s in per_layer.items()}
+    weights = {k: mx.array(rng.standard_normal(s).astype(np.float32)).astype(mx.bfloat16) for k, s in shapes.items()}
+    out = tmp_path / "published"
+    out.mkdir()
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["DFlashDraftModel"], "hidden_size": H, "intermediate_size": I,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hd,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": config["vocab_size"],
+        "max_position_embeddings": 2048, "block_size": 16, "num_target_layers": 6,
+        "dflash_config": {"mask_token_id": MASK_ID},
+    }))
+    draft = load_draft(str(out))
+    assert draft.config.target_layer_ids == default_target_layer_ids(6, 3) == [1, 2, 3]
+    assert mx.array_equal(draft.layers[2].mlp.down_proj.weight, weights["layers.2.mlp.down_proj.weight"])
+    check_compatible(draft, model)
+
+
+def test_incremental_context_equals_one_shot(target):
+    """Feeding context in pieces through the draft cache gives the same block output."""
+    _, _, _, config = target
+    draft = create_random_draft(config, num_layers=2, mask_token_id=MASK_ID)
+    mx.random.seed(1)
+    context = draft.project_context(mx.random.normal((1, 10, 64 * 2)))
+    block = mx.random.normal((1, 16, 64))
+    one_shot = draft(block, context, draft.make_cache())
+    cache = draft.make_cache()
+    draft(block, context[:, :4], cache)  # a draft call that also stores the first 4 entries
+    pieces = draft(block, context[:, 4:], cache)
+    assert mx.allclose(one_shot, pieces, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}, "hidden size"),
+        ({"num_hidden_layers": 8}, "expects 8 target layers"),
+        ({"vocab_size": 1000}, "vocab size"),
+    ],
+)
+def test_mismatched_draft_is_refused(target, override, message):
+    _, model, _, config = target
+    draft = create_random_draft({**config, **override}, num_layers=1, mask_token_id=MASK_ID, target_layer_ids=[1])
+    with pytest.raises(DFlashError, match=message):
+        check_compatible(draft, model)
+
+
+def test_bad_mask_token_id_is_refused(target):
+    _, model, _, config = target
+    draft = create_random_draft(config, num_layers=1, mask_token_id=99999)
+    with pytest.raises(DFlashError, match="mask token id 99999"):
+        check_compatible(draft, model)
+
+
+def test_missing_and_corrupt_files(target, tmp_path):
+    _, _, _, config = target
+    with pytest.raises(DFlashError, match="not found"):
+        load_draft(str(tmp_path / "nowhere"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DFlashError, match="no config.json"):
+        load_draft(str(empty))
+    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
+    save_draft(draft, tmp_path / "d")
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(DFlashError, match="cannot read draft weights"):
+        load_draft(str(tmp_path / "d"))
+    (tmp_path / "d" / "model.safetensors").unlink()
+    with pytest.raises(DFlashError, match="no \\*.safetensors"):
+        load_draft(str(tmp_path / "d"))
+
+
+def test_missing_tensor_is_refused(target, tmp_path):
+    _, _, _, config = target
+    save_draft(create_random_draft(config, num_layers=1, mask_token_id=MASK_ID), tmp_path / "d")
+    weights = mx.load(str(tmp_path / "d" / "model.safetensors"))
+    del weights["layers.0.mlp.up_proj.weight"]
+    mx.save_safetensors(str(tmp_path / "d" / "model.safetensors"), weights)
+    with pytest.raises(DFlashError, match="do not match its config"):
+        load_draft(str(tmp_path / "d"))

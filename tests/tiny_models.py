@@ -1,0 +1,74 @@
+"""Tiny random mlx-lm models with a byte-level tokenizer, built in-process for tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+VOCAB_SIZE = 256 + len(SPECIALS)
+MASK_ID = VOCAB_SIZE - 1
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+BASE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+FAMILIES = {
+    "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    "qwen2": {"model_type": "qwen2"},
+    "llama": {"model_type": "llama"},
+}
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """One token per byte plus chat specials: every string round-trips."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for special in SPECIALS:
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def make_tiny_target(path: Path, family: str, tie: bool = True, seed: int = 0, **overrides) -> Path:
+    """Write a random float32 model folder that ``mlx_lm.load`` reads."""
+    import importlib
+
+    config = {**BASE, **FAMILIES[family], "tie_word_embeddings": tie, **overrides}
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # Sharper random weights give confident, varied greedy outputs instead of near-ties.
+    params = {k: (v * 3 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())}
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    write_byte_tokenizer(path)
+    return path
+
+
+def load_tiny(path: Path):
+    return load(str(path))
