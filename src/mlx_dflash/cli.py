@@ -10,8 +10,10 @@ from .errors import DFlashError
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with DFlash speculative decoding")
-    p.add_argument("--model", required=True, help="target model: local folder or Hugging Face id")
-    p.add_argument("--draft", required=True, help="DFlash draft: local folder or Hugging Face id")
+    p.add_argument("--model", default=None,
+                   help="target: registered name (mlx-dflash models list), local folder or Hugging Face id")
+    p.add_argument("--draft", default=None,
+                   help="DFlash draft: local folder or Hugging Face id (default: the draft shipped for --model)")
     p.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=None, help="default: the draft's trained block size")
@@ -21,6 +23,53 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--verbose", action="store_true", help="print per-cycle acceptance")
     p.set_defaults(func=_run_generate)
+
+
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="fetch and convert the registered models (no model hub needed)")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("list", help="registered models and whether they are fetched").set_defaults(func=_models_list)
+    for verb, func, text in [("fetch", _models_fetch, "download, verify and convert"),
+                             ("path", _models_path, "print the converted folder"),
+                             ("rm", _models_rm, "delete the converted folders and the GGUF")]:
+        q = verbs.add_parser(verb, help=text)
+        q.add_argument("name")
+        if verb != "rm":
+            q.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                           help="default: float32 on the CPU, bfloat16 on a GPU")
+            q.add_argument("--quantize", type=int, choices=[4, 8], default=None, help="re-quantize to 4 or 8 bits")
+            q.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
+        q.set_defaults(func=func)
+
+
+def _models_list(args) -> None:
+    from .models import REGISTRY, home, is_fetched
+
+    print(f"cache: {home()}")
+    for entry in REGISTRY.values():
+        state = "fetched" if is_fetched(entry.name) else "not fetched"
+        print(f"{entry.name:22} {state:12} {entry.description} [license: {entry.license}]")
+
+
+def _models_fetch(args) -> None:
+    from .models import fetch
+
+    print(fetch(args.name, args.dtype, args.quantize, args.group_size))
+
+
+def _models_path(args) -> None:
+    from .models import is_fetched, model_dir
+
+    if not is_fetched(args.name, args.dtype, args.quantize):
+        raise DFlashError(f"{args.name} is not fetched; run: mlx-dflash models fetch {args.name}")
+    print(model_dir(args.name, args.dtype, args.quantize))
+
+
+def _models_rm(args) -> None:
+    from .models import remove
+
+    for path in remove(args.name):
+        print(f"removed {path}")
 
 
 def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[int]:
@@ -35,13 +84,15 @@ def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[int]:
 
 def _run_generate(args) -> None:
     from .draft import load_draft
+    from .models import DEFAULT_MODEL, shipped_draft
     from .engine import generate_text_stats, stream_generate
     from .target import check_compatible, load_target
 
     if args.max_tokens < 1:
         raise DFlashError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    model, tokenizer = load_target(args.model)
-    draft = load_draft(args.draft)
+    model_name = args.model or DEFAULT_MODEL
+    model, tokenizer = load_target(model_name)
+    draft = load_draft(args.draft or shipped_draft(model_name))
     check_compatible(draft, model)
     prompt = _format_prompt(tokenizer, args.prompt, args.chat, args.system)
     acceptance = []
@@ -56,10 +107,30 @@ def _run_generate(args) -> None:
     print(generate_text_stats(response, acceptance, args.block_size or draft.block_size))
 
 
+def _add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="check this machine's set-up (BLAS on Linux CPUs)")
+    p.add_argument("--fix", action="store_true", help="install OpenBLAS when possible (root + apt)")
+    p.set_defaults(func=_run_doctor)
+
+
+def _run_doctor(args) -> None:
+    from . import blas
+
+    if args.fix:
+        print(blas.install_openblas())
+    print(blas.status())
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a real command line: switch to OpenBLAS first where the machine has it
+        from .blas import use_fast_blas
+
+        use_fast_blas()
     parser = argparse.ArgumentParser(prog="mlx-dflash", description="DFlash speculative decoding for mlx-lm")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_models(sub)
+    _add_doctor(sub)
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -169,6 +169,9 @@ def load_target(path_or_repo: str):
 
     from mlx_lm.utils import load
 
+    from .models import resolve
+
+    path_or_repo = resolve(path_or_repo)  # a registered name (e.g. smollm2-135m) -> its folder
     local = Path(path_or_repo).expanduser()
     looks_local = path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1
     if looks_local and not local.exists():

