@@ -107,6 +107,78 @@ def _run_generate(args) -> None:
     print(generate_text_stats(response, acceptance, args.block_size or draft.block_size))
 
 
+def _add_data(sub) -> None:
+    p = sub.add_parser("data", help="build a self-distillation set: prompts -> the target's own responses")
+    p.add_argument("--model", default=None, help="target (default: the embedded default model)")
+    p.add_argument("--out", required=True, help="output folder (resumable: run again to continue)")
+    p.add_argument("--prompts", default=None,
+                   help="a .jsonl with a 'prompt' per line or a text file, one per line (default: stdlib docstrings)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-tokens", type=int, default=256, help="response length cap")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.set_defaults(func=_run_data)
+
+
+def _run_data(args) -> None:
+    from .data import build_dataset, read_prompts, stdlib_prompts
+    from .models import DEFAULT_MODEL
+    from .target import load_target
+
+    for name in ("num_prompts", "max_tokens", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    prompts = read_prompts(args.prompts) if args.prompts else stdlib_prompts()
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    model, tokenizer = load_target(args.model or DEFAULT_MODEL)
+    print(build_dataset(model, tokenizer, prompts, args.out, args.max_tokens, args.batch_size))
+
+
+def _add_train(sub) -> None:
+    from .train import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train a DFlash draft on a `mlx-dflash data` set")
+    p.add_argument("--model", default=None, help="target (default: the embedded default model)")
+    p.add_argument("--data", required=True, help="folder made by `mlx-dflash data`")
+    p.add_argument("--out", required=True, help="output folder: draft/, checkpoint/, training.png")
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--target-layers", type=int, nargs="+", default=None, help="tapped target layers")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: a spare special token")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--anchors", type=int, default=d.anchors, help="blocks per sequence")
+    p.add_argument("--max-len", type=int, default=d.max_len)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
+    p.add_argument("--save-every", type=int, default=d.save_every)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args) -> None:
+    from .models import DEFAULT_MODEL
+    from .target import load_target
+    from .train import TrainConfig, train
+
+    for name in ("layers", "block_size", "steps", "batch_size", "anchors", "max_len"):
+        if getattr(args, name) < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 0 < args.lr < 1:
+        raise DFlashError(f"--lr must be in (0, 1), got {args.lr}")
+    cfg = TrainConfig(
+        layers=args.layers, block_size=args.block_size, target_layer_ids=args.target_layers,
+        mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
+        anchors=args.anchors, max_len=args.max_len, lr=args.lr, eval_every=args.eval_every,
+        eval_prompts=args.eval_prompts, save_every=args.save_every, seed=args.seed,
+    )
+    model, tokenizer = load_target(args.model or DEFAULT_MODEL)
+    print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume))
+
+
 def _add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="check this machine's set-up (BLAS on Linux CPUs)")
     p.add_argument("--fix", action="store_true", help="install OpenBLAS when possible (root + apt)")
@@ -130,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_models(sub)
+    _add_data(sub)
+    _add_train(sub)
     _add_doctor(sub)
     args = parser.parse_args(argv)
     try:

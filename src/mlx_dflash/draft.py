@@ -177,6 +177,30 @@ class DraftAttention(nn.Module):
         values = self._heads(self.v_proj(context), self.n_kv_heads)
         return keys, values
 
+    def attend_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
+        """Training: many blocks per sequence in one pass.
+
+        x [B, A*bs, H] holds A blocks; block i sits at positions anchors[:, i] + (0..bs-1).
+        ``mask`` [B, 1, A*bs, T + A*bs] says which context and block keys each query sees.
+        """
+        B, N, _ = x.shape
+        A = anchors.shape[1]
+        bs = N // A
+
+        def blockwise_rope(t: mx.array, n_heads: int) -> mx.array:
+            t = t.reshape(B * A, bs, n_heads, -1).transpose(0, 2, 1, 3)  # one rope offset per block
+            t = self.rope(t, offset=anchors.reshape(-1))
+            return t.reshape(B, A, n_heads, bs, -1).transpose(0, 2, 1, 3, 4).reshape(B, n_heads, N, -1)
+
+        queries = blockwise_rope(self.q_norm(self.q_proj(x).reshape(B, N, self.n_heads, -1)), self.n_heads)
+        keys = blockwise_rope(self.k_norm(self.k_proj(x).reshape(B, N, self.n_kv_heads, -1)), self.n_kv_heads)
+        values = self._heads(self.v_proj(x), self.n_kv_heads)
+        ctx_k, ctx_v = self.context_kv(context, 0)
+        keys = mx.concatenate([ctx_k, keys], axis=2)
+        values = mx.concatenate([ctx_v, values], axis=2)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
+
     def __call__(
         self,
         x: mx.array,
@@ -223,8 +247,13 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, context, cache, mask):
-        h = x + self.self_attn(self.input_layernorm(x), context, cache, mask)
+    def __call__(self, x, context, cache, mask, anchors=None):
+        """Decode (``cache`` given) or training (``anchors`` given, many blocks at once)."""
+        normed = self.input_layernorm(x)
+        if anchors is None:
+            h = x + self.self_attn(normed, context, cache, mask)
+        else:
+            h = x + self.self_attn.attend_blocks(normed, context, anchors, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -275,6 +304,16 @@ class DFlashDraft(nn.Module):
                 n_new = 0 if new_context is None else new_context.shape[1]
                 mask = sliding_block_mask(block_len, layer_cache.offset + n_new, self.config.sliding_window)
             h = layer(h, new_context, layer_cache, mask)
+        return self.norm(h)
+
+    def forward_blocks(self, block_embeddings: mx.array, context: mx.array, anchors: mx.array,
+                       mask: mx.array) -> mx.array:
+        """Training forward: all anchored blocks of a batch in one pass (see ``train.py``)."""
+        if self.config.layer_types and "sliding_attention" in self.config.layer_types:
+            raise DFlashError("training drafts with sliding-window layers is not supported")
+        h = block_embeddings
+        for layer in self.layers:
+            h = layer(h, context, None, mask, anchors=anchors)
         return self.norm(h)
 
 

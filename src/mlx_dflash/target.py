@@ -97,9 +97,12 @@ class Target:
 
     def _install_taps(self) -> None:
         layers = self._layer_list()
-        for i, layer in enumerate(layers):  # undo taps of an earlier Target on this instance
-            if isinstance(layer, TappedLayer):
-                layers[i] = layer.layer
+        tapped = {i: layer for i, layer in enumerate(layers) if isinstance(layer, TappedLayer)}
+        if tapped and set(tapped) == set(self.layer_ids):  # same taps already in place: share them
+            self.recorder = next(iter(tapped.values())).recorder
+            return
+        for i, layer in tapped.items():  # different taps of an earlier Target: undo them
+            layers[i] = layer.layer
         for i in self.layer_ids:
             if not 0 <= i < len(layers):
                 raise DFlashError(f"target layer id {i} is out of range (target has {len(layers)} layers)")

@@ -1,0 +1,269 @@
+"""``mlx-dflash train``: the DFlash training recipe, in one file.
+
+Per step: pick sequences (prompt + the target's own response), run the frozen
+target once over them to get the tapped hidden states, put up to ``anchors``
+blocks ``[x_a, MASK, ..., MASK]`` at random response positions ``a``, and run
+every block of a sequence through the draft in ONE pass under a mask that lets
+a block see the context strictly before its anchor and itself (bidirectionally),
+never another block. Loss: cross-entropy at block slots k = 1..bs-1 against
+x_(a+k), weighted exp(-(k-1)/gamma). AdamW, warm-up + cosine, grad clipping;
+the target's embedding and head stay frozen (they are not draft parameters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from tqdm import tqdm
+
+from .data import read_sequences
+from .draft import DFlashDraft, create_random_draft, load_draft, save_draft
+from .errors import DFlashError
+from .target import Target
+
+GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+@dataclass
+class TrainConfig:
+    layers: int = 5
+    block_size: int = 16
+    target_layer_ids: Optional[list[int]] = None
+    mask_token_id: Optional[int] = None
+    steps: int = 2000
+    batch_size: int = 8  # sequences per step
+    anchors: int = 512  # blocks per sequence (fewer when the response is shorter)
+    max_len: int = 1024  # sequences are cut to this many tokens
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: Optional[float] = None
+    eval_every: int = 250
+    eval_prompts: int = 8  # held-out sequences whose prompts measure acceptance
+    eval_tokens: int = 128
+    save_every: int = 500
+    seed: int = 0
+    history: list = field(default_factory=list)  # filled while training; saved with checkpoints
+
+    def loss_gamma(self) -> float:
+        return self.gamma or GAMMA_BY_BLOCK.get(self.block_size, 7.0 * self.block_size / 16)
+
+
+def choose_mask_token(tokenizer, vocab_size: int) -> int:
+    """A token id the target never emits in chat: ``<|MASK|>`` if present, else a reserved
+    special token that is not BOS/EOS/PAD/UNK (e.g. SmolLM2's ``<empty_output>``)."""
+    vocab = tokenizer.get_vocab()
+    if "<|MASK|>" in vocab:
+        return vocab["<|MASK|>"]
+    busy = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    busy |= set(tokenizer.eos_token_ids)
+    chat_tokens = {"<|im_start|>", "<|im_end|>", "<|endoftext|>"}
+    specials = [i for t, i in vocab.items() if t in tokenizer.all_special_tokens or
+                (t.startswith("<") and t.endswith(">") and len(t) > 2)]
+    candidates = sorted(i for i in specials if i not in busy and i < vocab_size
+                        and tokenizer.convert_ids_to_tokens(i) not in chat_tokens)
+    if not candidates:
+        raise DFlashError("the tokenizer has no spare special token for the mask; pass --mask-token-id")
+    return candidates[-1]
+
+
+# ---------------------------------------------------------------------------
+# Batches and the block mask
+
+
+def sample_anchors(record: dict, max_anchors: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
+    """Random response positions a with a + 1 inside the sequence (sorted)."""
+    length = min(len(record["tokens"]), max_len)
+    choices = np.arange(record["prompt_len"], length - 1)
+    if choices.size == 0:
+        return choices
+    return np.sort(rng.choice(choices, size=min(max_anchors, choices.size), replace=False))
+
+
+def block_attention_mask(anchors: mx.array, context_len: int, block_size: int) -> mx.array:
+    """[B, 1, A*bs, T + A*bs]: a block's queries see context j < anchor and their own block.
+
+    Padding anchors (weight 0) sit at position 0: they see only their own block."""
+    B, A = anchors.shape
+    sees_context = mx.arange(context_len)[None, None, :] < anchors[:, :, None]  # [B, A, T]
+    sees_context = mx.repeat(sees_context, block_size, axis=1)  # [B, A*bs, T]
+    block_of = mx.arange(A * block_size) // block_size
+    same_block = block_of[:, None] == block_of[None, :]  # [A*bs, A*bs]
+    same_block = mx.broadcast_to(same_block[None], (B, A * block_size, A * block_size))
+    mask = mx.concatenate([sees_context, same_block], axis=-1)
+    return mask[:, None]
+
+
+def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: np.random.Generator) -> dict:
+    bs = cfg.block_size
+    anchors = [sample_anchors(r, cfg.anchors, cfg.max_len, rng) for r in records]
+    A = max(1, max(a.size for a in anchors))
+    T = max(min(len(r["tokens"]), cfg.max_len) for r in records)
+    tokens = np.zeros((len(records), T), np.int32)
+    anchor_pos = np.zeros((len(records), A), np.int32)
+    labels = np.zeros((len(records), A, bs - 1), np.int32)
+    weights = np.zeros((len(records), A, bs - 1), np.float32)
+    decay = np.exp(-np.arange(bs - 1) / cfg.loss_gamma())
+    for b, (record, picked) in enumerate(zip(records, anchors)):
+        seq = np.asarray(record["tokens"][: cfg.max_len])
+        tokens[b, : seq.size] = seq
+        anchor_pos[b, : picked.size] = picked
+        for i, a in enumerate(picked):
+            target = seq[a + 1 : a + bs]
+            labels[b, i, : target.size] = target
+            weights[b, i, : target.size] = decay[: target.size]
+    block_tokens = np.full((len(records), A, bs), mask_token_id, np.int32)
+    block_tokens[:, :, 0] = np.take_along_axis(tokens, anchor_pos, axis=1)
+    return {
+        "tokens": mx.array(tokens),
+        "anchors": mx.array(anchor_pos),
+        "block_tokens": mx.array(block_tokens.reshape(len(records), A * bs)),
+        "mask": block_attention_mask(mx.array(anchor_pos), T, bs),
+        "labels": mx.array(labels),
+        "weights": mx.array(weights),
+    }
+
+
+def block_loss(draft: DFlashDraft, target: Target, batch: dict, features: mx.array) -> mx.array:
+    """Decay-weighted cross-entropy of the draft's block predictions."""
+    B, A = batch["anchors"].shape
+    bs = draft.block_size
+    hidden = draft.forward_blocks(
+        target.embed(batch["block_tokens"]), draft.project_context(features), batch["anchors"], batch["mask"]
+    )
+    hidden = hidden.reshape(B, A, bs, -1)[:, :, 1:]
+    logits = target.head(hidden).astype(mx.float32)
+    losses = nn.losses.cross_entropy(logits, batch["labels"], reduction="none")
+    return (losses * batch["weights"]).sum() / mx.maximum(batch["weights"].sum(), 1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Evaluation, checkpoints, plot
+
+
+def held_out_acceptance(target_model, tokenizer, draft: DFlashDraft, records: list[dict], max_tokens: int) -> float:
+    """Mean acceptance length of greedy DFlash on held-out prompts."""
+    from .engine import generate
+
+    lengths = []
+    for record in records:
+        result = generate(target_model, tokenizer, record["tokens"][: record["prompt_len"]], draft,
+                          max_tokens=max_tokens)
+        lengths += result.acceptance_lengths
+    return float(np.mean(lengths)) if lengths else 0.0
+
+
+def save_checkpoint(out: Path, draft: DFlashDraft, optimizer, cfg: TrainConfig, step: int) -> None:
+    save_draft(draft, out / "draft")
+    ckpt = out / "checkpoint"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(ckpt / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+    tmp = ckpt / "state.json.tmp"
+    tmp.write_text(json.dumps({"step": step, "config": asdict(cfg)}))
+    tmp.replace(ckpt / "state.json")
+
+
+def plot_history(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = [h["step"] for h in history if "loss" in h]
+    ax.plot(steps, [h["loss"] for h in history if "loss" in h], color="tab:blue", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("weighted block loss", color="tab:blue")
+    evals = [h for h in history if "acceptance" in h]
+    if evals:
+        ax2 = ax.twinx()
+        ax2.plot([h["step"] for h in evals], [h["acceptance"] for h in evals], "o-", color="tab:orange")
+        ax2.set_ylabel("mean acceptance length (held out)", color="tab:orange")
+    ax.set_title("DFlash draft training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------
+# The loop
+
+
+def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig, resume: bool = False) -> Path:
+    """Train a draft for ``target_model`` on ``data_dir``; returns the draft folder."""
+    out = Path(out_dir)
+    records = sorted(read_sequences(data_dir), key=lambda r: r["id"])
+    records = [r for r in records if len(r["tokens"]) - r["prompt_len"] >= 2]
+    if len(records) <= cfg.eval_prompts:
+        raise DFlashError(f"{data_dir} has {len(records)} usable sequences; need more than {cfg.eval_prompts}")
+    held_out, records = records[-cfg.eval_prompts :] if cfg.eval_prompts else [], records[: len(records) - cfg.eval_prompts]
+
+    start_step = 0
+    state_file = out / "checkpoint" / "state.json"
+    if resume and state_file.is_file():
+        state = json.loads(state_file.read_text())
+        cfg = TrainConfig(**{**state["config"], "steps": cfg.steps})
+        start_step = state["step"]
+        draft = load_draft(str(out / "draft"), dtype=mx.float32)
+    elif resume:
+        raise DFlashError(f"nothing to resume in {out}")
+    else:
+        if cfg.mask_token_id is None:
+            cfg.mask_token_id = choose_mask_token(tokenizer, target_model.args.vocab_size)
+        draft = create_random_draft(
+            vars(target_model.args), num_layers=cfg.layers, block_size=cfg.block_size,
+            mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
+        )
+        draft.set_dtype(mx.float32)
+    target = Target(target_model, draft.config.target_layer_ids)
+    target_model.freeze()
+
+    warmup = max(1, int(cfg.warmup * cfg.steps))
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(0.0, cfg.lr, warmup), optim.cosine_decay(cfg.lr, max(1, cfg.steps - warmup), cfg.lr * 0.05)],
+        [warmup],
+    )
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
+    if start_step:
+        optimizer.init(draft.trainable_parameters())
+        saved = mx.load(str(out / "checkpoint" / "optimizer.safetensors"))
+        optimizer.state = tree_unflatten(list(saved.items()))
+
+    def loss_fn(model, batch, features):
+        return block_loss(model, target, batch, features)
+
+    loss_and_grad = nn.value_and_grad(draft, loss_fn)
+    rng = np.random.default_rng(cfg.seed + start_step)
+    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc="train", unit="step")
+    tic = time.perf_counter()
+    for step in bar:
+        picked = rng.choice(len(records), size=min(cfg.batch_size, len(records)), replace=False)
+        batch = make_batch([records[i] for i in picked], cfg, draft.config.mask_token_id, rng)
+        _, features = target(batch["tokens"], None)
+        loss, grads = loss_and_grad(draft, batch, mx.stop_gradient(features))
+        grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+        optimizer.update(draft, grads)
+        mx.eval(loss, draft.parameters(), optimizer.state)
+        cfg.history.append({"step": step + 1, "loss": loss.item(), "seconds": time.perf_counter() - tic})
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        last = step + 1 == cfg.steps
+        if held_out and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+            acceptance = held_out_acceptance(target_model, tokenizer, draft, held_out, cfg.eval_tokens)
+            cfg.history.append({"step": step + 1, "acceptance": acceptance})
+            bar.write(f"step {step + 1}: loss {loss.item():.3f}, held-out mean acceptance length {acceptance:.2f}")
+        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            save_checkpoint(out, draft, optimizer, cfg, step + 1)
+            plot_history(cfg.history, out / "training.png")
+    (out / "history.json").write_text(json.dumps(cfg.history))
+    return out / "draft"

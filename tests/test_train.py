@@ -1,0 +1,102 @@
+"""Training on the CPU with tiny models: mask, loss going down, reload, resume."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import MASK_ID, load_tiny, make_tiny_target
+
+from mlx_dflash import generate, load_draft
+from mlx_dflash.data import build_dataset, read_sequences, stdlib_prompts
+from mlx_dflash.train import TrainConfig, block_attention_mask, make_batch, train
+
+
+def test_block_mask_matches_brute_force():
+    rng = np.random.default_rng(0)
+    B, A, T, bs = 2, 5, 23, 4
+    anchors = np.sort(rng.integers(0, T - 1, size=(B, A)), axis=1)
+    mask = np.array(block_attention_mask(mx.array(anchors), T, bs))
+    assert mask.shape == (B, 1, A * bs, T + A * bs)
+    for b in range(B):
+        for q in range(A * bs):
+            block = q // bs
+            for k in range(T + A * bs):
+                if k < T:  # context: strictly before the anchor
+                    expected = k < anchors[b, block]
+                else:  # blocks: only its own, in both directions
+                    expected = (k - T) // bs == block
+                assert mask[b, 0, q, k] == expected, (b, q, k)
+
+
+def test_batch_labels_follow_the_anchors():
+    record = {"id": 0, "prompt_len": 4, "tokens": list(range(100, 120))}
+    cfg = TrainConfig(block_size=4, anchors=3, max_len=64)
+    batch = make_batch([record], cfg, MASK_ID, np.random.default_rng(1))
+    anchors = np.array(batch["anchors"])[0]
+    blocks = np.array(batch["block_tokens"]).reshape(3, 4)
+    labels = np.array(batch["labels"])[0]
+    weights = np.array(batch["weights"])[0]
+    for i, a in enumerate(anchors):
+        assert 4 <= a <= 18  # response positions with a successor
+        assert blocks[i, 0] == 100 + a and (blocks[i, 1:] == MASK_ID).all()
+        n = min(3, 19 - a)
+        assert list(labels[i, :n]) == [100 + a + k for k in range(1, n + 1)]
+        assert np.allclose(weights[i, :n], np.exp(-np.arange(n) / cfg.loss_gamma()))
+        assert (weights[i, n:] == 0).all()
+
+
+def test_stdlib_prompts_are_offline_and_not_benchmarks():
+    prompts = stdlib_prompts()
+    assert len(prompts) > 1000 and len(set(prompts)) == len(prompts)
+    assert not any("HumanEval" in p or "has_close_elements" in p for p in prompts)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_dir):
+    path = make_tiny_target(tiny_dir / "train-qwen3", "qwen3")
+    model, tokenizer = load_tiny(path)
+    data = build_dataset(model, tokenizer, stdlib_prompts()[:12], tiny_dir / "train-data", max_tokens=48,
+                         batch_size=6)
+    return path, data
+
+
+def test_data_is_resumable(tiny_data, tiny_dir):
+    path, data = tiny_data
+    records = read_sequences(data)
+    assert sorted(r["id"] for r in records) == list(range(12))
+    model, tokenizer = load_tiny(path)
+    build_dataset(model, tokenizer, stdlib_prompts()[:12], data, max_tokens=48)  # nothing left to do
+    assert len(read_sequences(data)) == 12
+
+
+def test_tiny_training_run_loss_falls_and_draft_reloads(tiny_data, tmp_path):
+    path, data = tiny_data
+    model, tokenizer = load_tiny(path)
+    cfg = TrainConfig(layers=1, block_size=8, mask_token_id=MASK_ID, steps=40, batch_size=4, anchors=16,
+                      lr=3e-3, eval_every=0, eval_prompts=2, eval_tokens=16, save_every=0)
+    draft_dir = train(model, tokenizer, str(data), str(tmp_path / "run"), cfg)
+    losses = [h["loss"] for h in cfg.history if "loss" in h]
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+    assert (tmp_path / "run" / "training.png").stat().st_size > 0
+    draft = load_draft(str(draft_dir))
+    assert draft.config.block_size == 8 and draft.config.mask_token_id == MASK_ID
+    prompt = read_sequences(data)[0]
+    result = generate(model, tokenizer, prompt["tokens"][: prompt["prompt_len"]], draft, max_tokens=24)
+    assert len(result.tokens) > 0 and result.cycles > 0
+
+
+def test_resume_continues_from_the_saved_step(tiny_data, tmp_path):
+    path, data = tiny_data
+    model, tokenizer = load_tiny(path)
+    base = dict(layers=1, block_size=8, mask_token_id=MASK_ID, batch_size=2, anchors=8, eval_every=0,
+                eval_prompts=0, save_every=5)
+    out = tmp_path / "run"
+    train(model, tokenizer, str(data), str(out), TrainConfig(**base, steps=5))
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 5
+    cfg = TrainConfig(**base, steps=8)
+    train(model, tokenizer, str(data), str(out), cfg, resume=True)
+    steps = [h["step"] for h in json.loads((out / "history.json").read_text()) if "loss" in h]
+    assert steps == list(range(1, 9))  # 1..5 from the first run, 6..8 after resuming
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 8
