@@ -179,6 +179,88 @@ def _run_train(args) -> None:
     print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume))
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="DFlash vs plain decoding (and mlx-lm speculative decoding), side by side")
+    p.add_argument("--model", default=None, help="target (default: the embedded default model)")
+    p.add_argument("--draft", default=None, help="DFlash draft (default: the one shipped for --model)")
+    p.add_argument("--ar-draft", default=None, help="autoregressive draft for mlx-lm's speculative decoding")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="for --ar-draft")
+    p.add_argument("--prompts", default=None, help=".jsonl with a 'prompt' per line (default: HumanEval)")
+    p.add_argument("--num-prompts", type=int, default=10)
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-eos", action="store_true", help="ignore EOS: always generate the full length")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--out", default="bench_out", help="folder for results.json, results.md and PNG plots")
+    p.add_argument("--scale", default=None, help="scale mode: a random-weight target of this shape "
+                   "(qwen3-4b, qwen3-8b, qwen3-14b) with a replay draft")
+    p.add_argument("--quant", type=int, choices=[4, 8], default=None, help="scale mode: quantize the target")
+    p.add_argument("--replay-mean", type=float, nargs="+", default=[6.5],
+                   help="scale mode: mean acceptance length(s) of the replay")
+    p.add_argument("--draft-layers", type=int, default=5, help="scale mode: layers of the random draft")
+    p.add_argument("--prompt-len", type=int, default=128, help="scale mode: random prompt length")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> None:
+    import functools
+    import json
+    from pathlib import Path
+
+    from .bench import BenchConfig, humaneval_prompts, markdown_table, run_bench
+    from .data import encode_chat, read_prompts
+
+    for name in ("num_prompts", "repeats", "num_draft_tokens", "prompt_len", "draft_layers"):
+        if getattr(args, name) < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if min(args.lengths) < 1:
+        raise DFlashError("--lengths must all be at least 1")
+    cfg = BenchConfig(lengths=args.lengths, repeats=args.repeats, warmup=not args.no_warmup,
+                      no_eos=args.no_eos or bool(args.scale), block_size=args.block_size,
+                      num_draft_tokens=args.num_draft_tokens)
+    out = Path(args.out)
+    if args.scale:
+        import mlx.core as mx
+
+        from .engine import DFlashProposer
+        from .replay import ReplayProposer, geometric_schedule
+        from .scale import cycle_costs, null_tokenizer, random_draft, random_target
+
+        model, config = random_target(args.scale, args.quant)
+        tokenizer = null_tokenizer(config["vocab_size"])
+        draft = random_draft(config, layers=args.draft_layers, block_size=args.block_size or 16)
+        bs = draft.block_size
+        prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.random.key(i)).tolist()
+                   for i in range(args.num_prompts)]
+        proposers = {f"dflash_replay_mean{m}": functools.partial(
+            ReplayProposer, block_size=bs, schedule=geometric_schedule(m, bs), vocab_size=config["vocab_size"],
+            cost_of=DFlashProposer(draft)) for m in args.replay_mean}
+        summary = run_bench(model, tokenizer, prompts, proposers, cfg, out_dir=out)
+        costs = [cycle_costs(model, draft, n, bs) for n in sorted({args.prompt_len, *args.lengths})]
+        (out / "cycle_costs.json").write_text(json.dumps(costs, indent=1))
+        print(markdown_table(summary))
+        for c in costs:
+            print(json.dumps(c))
+        return
+    from .draft import load_draft
+    from .models import DEFAULT_MODEL, shipped_draft
+    from .target import check_compatible, load_target
+
+    model_name = args.model or DEFAULT_MODEL
+    model, tokenizer = load_target(model_name)
+    draft = load_draft(args.draft or shipped_draft(model_name), dtype=model.model.embed_tokens.weight.dtype
+                       if not hasattr(model.model.embed_tokens, "scales") else None)
+    check_compatible(draft, model)
+    ar_draft = load_target(args.ar_draft)[0] if args.ar_draft else None
+    texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
+    texts = texts[: args.num_prompts]
+    prompts = [encode_chat(tokenizer, t) if args.chat else tokenizer.encode(t) for t in texts]
+    summary = run_bench(model, tokenizer, prompts, {"dflash": draft}, cfg, ar_draft=ar_draft, out_dir=out)
+    print(markdown_table(summary))
+
+
 def _add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="check this machine's set-up (BLAS on Linux CPUs)")
     p.add_argument("--fix", action="store_true", help="install OpenBLAS when possible (root + apt)")
@@ -204,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_models(sub)
     _add_data(sub)
     _add_train(sub)
+    _add_bench(sub)
     _add_doctor(sub)
     args = parser.parse_args(argv)
     try:

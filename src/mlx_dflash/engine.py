@@ -59,7 +59,7 @@ class DFlashProposer:
 
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
         block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
-        new_context = self.pending[0] if len(self.pending) == 1 else mx.concatenate(self.pending, axis=1)
+        new_context = mx.concatenate(self.pending, axis=1) if self.pending else None
         self.pending = []
         hidden = self.draft(self.target.embed(block[None]), new_context, self.cache)
         logits = self.target.head(hidden[:, 1:])

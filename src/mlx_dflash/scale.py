@@ -1,0 +1,114 @@
+"""Scale mode of the benchmark: real model SHAPES with random weights, no checkpoints.
+
+The target is a random-weight mlx-lm model shaped like a published one; the
+draft is a random DFlash draft of the published shape that runs every cycle
+(so its cost is real) while a replay supplies the proposals, corrupted so that
+acceptance lengths follow a chosen distribution. Results are engine cost, to
+be labelled "replay", never measured acceptance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .draft import DFlashDraft, create_random_draft
+from .engine import DFlashProposer
+from .errors import DFlashError
+from .target import Target
+
+SHAPES = {
+    "qwen3-4b": {"model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36, "intermediate_size": 9728,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+    "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+    "qwen3-14b": {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 40, "intermediate_size": 17408,
+                  "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+    "tiny": {"model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True},
+}
+COMMON = {"rms_norm_eps": 1e-6, "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1_000_000.0}
+
+
+def random_target(shape: str, quant: Optional[int] = None, vocab_size: Optional[int] = None):
+    """(model, config) of ``shape`` in bfloat16 (or quantized to ``quant`` bits), random weights."""
+    if shape not in SHAPES:
+        raise DFlashError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    config = {**COMMON, **SHAPES[shape]}
+    if vocab_size:
+        config["vocab_size"] = vocab_size
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    if quant:
+        nn.quantize(model, group_size=64, bits=quant)
+    mx.eval(model.parameters())
+    return model, config
+
+
+def null_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one token per id ('t0', 't1', ...): enough for the engine."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    return TokenizerWrapper(fast, eos_token_ids=[])
+
+
+def random_draft(config: dict, layers: int = 5, block_size: int = 16) -> DFlashDraft:
+    draft = create_random_draft(config, num_layers=layers, block_size=block_size, mask_token_id=config["vocab_size"] - 1)
+    draft.set_dtype(mx.bfloat16)
+    return draft
+
+
+def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, iters: int = 20) -> dict:
+    """Milliseconds per draft pass, verify pass, rollback and single-token decode at ``context_len``."""
+    target = Target(model, draft.config.target_layer_ids)
+    proposer = DFlashProposer(draft)
+    proposer.start(target)
+    cache = target.make_cache()
+    prompt = mx.random.randint(0, model.args.vocab_size, (1, context_len)).astype(mx.uint32)
+    _, features = target(prompt, cache)
+    proposer.add_context(features)
+    mx.eval([c.state for c in cache])
+    first = mx.array([1], dtype=mx.uint32)
+    block = mx.random.randint(0, model.args.vocab_size, (1, block_size)).astype(mx.uint32)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        tic = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - tic) * 1000 / iters
+
+    def draft_pass():
+        mx.eval(proposer.propose(first, block_size - 1))
+
+    def verify_pass():
+        logits, feats = target(block, cache)
+        mx.eval(mx.argmax(logits, axis=-1), feats)
+        target.rollback(cache, block_size)
+
+    def decode_one():
+        logits, _ = target(first[None], cache)
+        mx.eval(mx.argmax(logits, axis=-1))
+        target.rollback(cache, 1)
+
+    def rollback_only():
+        for c in cache:
+            c.offset += block_size  # pretend a block was appended, then trim it
+        target.rollback(cache, block_size)
+
+    return {
+        "context_len": context_len,
+        "draft_ms": timed(draft_pass),
+        "verify_plus_rollback_ms": timed(verify_pass),
+        "rollback_ms": timed(rollback_only),
+        "decode_one_token_ms": timed(decode_one),
+    }
