@@ -100,3 +100,12 @@ def test_resume_continues_from_the_saved_step(tiny_data, tmp_path):
     steps = [h["step"] for h in json.loads((out / "history.json").read_text()) if "loss" in h]
     assert steps == list(range(1, 9))  # 1..5 from the first run, 6..8 after resuming
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 8
+
+
+def test_time_budget_shortens_the_run(tiny_data, tmp_path):
+    path, data = tiny_data
+    model, tokenizer = load_tiny(path)
+    cfg = TrainConfig(layers=1, block_size=8, mask_token_id=MASK_ID, steps=1000, batch_size=2, anchors=4,
+                      eval_every=0, eval_prompts=0, save_every=0, time_budget=1e-6)
+    train(model, tokenizer, str(data), str(tmp_path / "run"), cfg)
+    assert cfg.steps == 10 and len([h for h in cfg.history if "loss" in h]) == 10

@@ -155,6 +155,8 @@ def _add_train(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of training: the step count shrinks to fit, measured on the first steps")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.set_defaults(func=_run_train)
 
@@ -173,7 +175,7 @@ def _run_train(args) -> None:
         layers=args.layers, block_size=args.block_size, target_layer_ids=args.target_layers,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, max_len=args.max_len, lr=args.lr, eval_every=args.eval_every,
-        eval_prompts=args.eval_prompts, save_every=args.save_every, seed=args.seed,
+        eval_prompts=args.eval_prompts, save_every=args.save_every, seed=args.seed, time_budget=args.time_budget,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume))

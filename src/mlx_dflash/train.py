@@ -32,6 +32,7 @@ from .errors import DFlashError
 from .target import Target
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
+PROBE_STEPS = 10  # steps timed before a time budget sets the run's length
 
 
 @dataclass
@@ -54,6 +55,7 @@ class TrainConfig:
     eval_tokens: int = 128
     save_every: int = 500
     seed: int = 0
+    time_budget: Optional[float] = None  # seconds: fewer steps when the first ones show they won't fit
     history: list = field(default_factory=list)  # filled while training; saved with checkpoints
 
     def loss_gamma(self) -> float:
@@ -229,11 +231,14 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
     target = Target(target_model, draft.config.target_layer_ids)
     target_model.freeze()
 
-    warmup = max(1, int(cfg.warmup * cfg.steps))
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(0.0, cfg.lr, warmup), optim.cosine_decay(cfg.lr, max(1, cfg.steps - warmup), cfg.lr * 0.05)],
-        [warmup],
-    )
+    def schedule(step: mx.array) -> mx.array:
+        """Linear warm-up, then cosine to 5%; reads cfg.steps each time (a time budget may change it)."""
+        warmup = max(1, int(cfg.warmup * cfg.steps))
+        s = step.astype(mx.float32)
+        progress = mx.clip((s - warmup) / max(1, cfg.steps - warmup), 0.0, 1.0)
+        cosine = cfg.lr * (0.05 + 0.95 * 0.5 * (1 + mx.cos(math.pi * progress)))
+        return mx.where(s < warmup, cfg.lr * s / warmup, cosine)
+
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
     if start_step:
         optimizer.init(draft.trainable_parameters())
@@ -245,9 +250,10 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
 
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     rng = np.random.default_rng(cfg.seed + start_step)
-    bar = tqdm(range(start_step, cfg.steps), initial=start_step, total=cfg.steps, desc="train", unit="step")
+    bar = tqdm(initial=start_step, total=cfg.steps, desc="train", unit="step")
     tic = time.perf_counter()
-    for step in bar:
+    step = start_step
+    while step < cfg.steps:
         picked = rng.choice(len(records), size=min(cfg.batch_size, len(records)), replace=False)
         batch = make_batch([records[i] for i in picked], cfg, draft.config.mask_token_id, rng)
         _, features = target(batch["tokens"], None)
@@ -257,6 +263,12 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
         mx.eval(loss, draft.parameters(), optimizer.state)
         cfg.history.append({"step": step + 1, "loss": loss.item(), "seconds": time.perf_counter() - tic})
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.update(1)
+        if cfg.time_budget and step + 1 - start_step == PROBE_STEPS:  # fit the run into the budget
+            per_step = (time.perf_counter() - tic) / PROBE_STEPS
+            cfg.steps = max(step + 1, min(cfg.steps, int(cfg.time_budget / per_step)))
+            bar.total = cfg.steps
+            bar.write(f"{per_step * 1000:.0f} ms/step: {cfg.steps} steps fit in the {cfg.time_budget:.0f} s budget")
         last = step + 1 == cfg.steps
         if held_out and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
             acceptance = held_out_acceptance(target_model, tokenizer, draft, held_out, cfg.eval_tokens)
@@ -265,5 +277,7 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save_checkpoint(out, draft, optimizer, cfg, step + 1)
             plot_history(cfg.history, out / "training.png")
+        step += 1
+    bar.close()
     (out / "history.json").write_text(json.dumps(cfg.history))
     return out / "draft"
