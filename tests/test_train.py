@@ -7,26 +7,39 @@ import numpy as np
 import pytest
 from tiny_models import MASK_ID, load_tiny, make_tiny_target
 
-from mlx_dflash import generate, load_draft
+from mlx_dflash import create_random_draft, generate, load_draft
 from mlx_dflash.data import build_dataset, read_sequences, stdlib_prompts
-from mlx_dflash.train import TrainConfig, block_attention_mask, make_batch, train
+from mlx_dflash.train import TrainConfig, context_visibility, make_batch, train
 
 
-def test_block_mask_matches_brute_force():
+def test_context_visibility_matches_brute_force():
     rng = np.random.default_rng(0)
-    B, A, T, bs = 2, 5, 23, 4
+    B, A, T = 2, 5, 23
     anchors = np.sort(rng.integers(0, T - 1, size=(B, A)), axis=1)
-    mask = np.array(block_attention_mask(mx.array(anchors), T, bs))
-    assert mask.shape == (B, 1, A * bs, T + A * bs)
+    sees = np.array(context_visibility(mx.array(anchors), T))
     for b in range(B):
-        for q in range(A * bs):
-            block = q // bs
-            for k in range(T + A * bs):
-                if k < T:  # context: strictly before the anchor
-                    expected = k < anchors[b, block]
-                else:  # blocks: only its own, in both directions
-                    expected = (k - T) // bs == block
-                assert mask[b, 0, q, k] == expected, (b, q, k)
+        for i in range(A):
+            for j in range(T):
+                assert sees[b, i, j] == (j < anchors[b, i])
+
+
+def test_training_forward_equals_decoding_each_block_alone(tiny_dir):
+    """All blocks in one masked pass == each block drafted on its own with the context
+    strictly before its anchor (the decode path): the block mask is exactly right."""
+    path = make_tiny_target(tiny_dir / "mask-qwen3", "qwen3")
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=2, block_size=4, mask_token_id=MASK_ID)
+    mx.random.seed(3)
+    B, T, A, bs, H = 2, 20, 3, 4, 64
+    context = draft.project_context(mx.random.normal((B, T, H * len(draft.config.target_layer_ids))))
+    blocks = mx.random.normal((B, A * bs, H))
+    anchors = mx.array([[2, 9, 17], [5, 6, 18]])
+    together = draft.forward_blocks(blocks, context, anchors, context_visibility(anchors, T))
+    for b in range(B):
+        for i in range(A):
+            a = anchors[b, i].item()
+            alone = draft(blocks[b : b + 1, i * bs : (i + 1) * bs], context[b : b + 1, :a], draft.make_cache())
+            assert mx.allclose(together[b, i * bs : (i + 1) * bs], alone[0], atol=1e-4), (b, i)
 
 
 def test_batch_labels_follow_the_anchors():

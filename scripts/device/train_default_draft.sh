@@ -19,6 +19,11 @@ echo "sequences: $(wc -l < $W/data/sequences.jsonl)"
 time python3 -m mlx_dflash.cli train --model smollm2-135m --data $W/data --out $W/run --layers "${LAYERS:-3}" \
   --steps 20000 --batch-size 16 --anchors 256 --max-len 768 --eval-every 0 --eval-prompts 16 --save-every 200 \
   --time-budget "${TRAIN_SECONDS:-300}" 2>&1 | tr '\r' '\n' | grep -v '^train: .*step/s' | tail -6
-cp $W/run/draft/* $W/run/training.png $W/run/history.json "$OUT"/ 2>/dev/null
+# the shipped form: bfloat16, in <=15 MB pieces (files back from the machine are capped at 16 MB)
+python3 -c "
+import mlx.core as mx; from mlx_dflash.draft import load_draft, save_draft
+save_draft(load_draft('$W/run/draft', dtype=mx.bfloat16), '$W/ship')"
+split -b 15M $W/ship/model.safetensors "$OUT"/model.safetensors.part.
+cp $W/ship/config.json $W/run/training.png $W/run/history.json "$OUT"/
 gzip -c $W/data/sequences.jsonl > "$OUT"/sequences.jsonl.gz
 ls -la "$OUT"

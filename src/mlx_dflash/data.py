@@ -131,9 +131,12 @@ def build_dataset(model, tokenizer, prompts: list[str], out_dir: str | Path, max
     todo = [(i, p) for i, p in enumerate(prompts) if i not in done]
     with open(path, "a") as sink, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                          desc="responses", unit="prompt") as bar:
-        for batch in _batches(todo, batch_size):
+        # chunks of 4 batches: continuous batching keeps `batch_size` sequences in flight, and
+        # each chunk is written before the next starts (an interrupted run loses one chunk)
+        for batch in _batches(todo, 4 * batch_size):
             encoded = [encode_chat(tokenizer, p) for _, p in batch]
-            result = batch_generate(model, tokenizer, encoded, max_tokens=max_tokens, return_token_ids=True)
+            result = batch_generate(model, tokenizer, encoded, max_tokens=max_tokens, return_token_ids=True,
+                                    completion_batch_size=batch_size, prefill_batch_size=batch_size)
             for (index, _), prompt_ids, response in zip(batch, encoded, result.token_ids):
                 response = list(response)
                 if len(response) < max_tokens and tokenizer.eos_token_id is not None:

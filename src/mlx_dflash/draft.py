@@ -177,29 +177,40 @@ class DraftAttention(nn.Module):
         values = self._heads(self.v_proj(context), self.n_kv_heads)
         return keys, values
 
-    def attend_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, mask: mx.array) -> mx.array:
-        """Training: many blocks per sequence in one pass.
+    def attend_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array) -> mx.array:
+        """Training: all A blocks of each sequence in one pass.
 
         x [B, A*bs, H] holds A blocks; block i sits at positions anchors[:, i] + (0..bs-1).
-        ``mask`` [B, 1, A*bs, T + A*bs] says which context and block keys each query sees.
+        sees_context [B, A, T]: which context positions block i may see (those before its anchor).
+        A block also sees itself (bidirectionally) and never another block, so block-to-block
+        scores are computed per block ([bs, bs]) instead of masking an [A*bs, A*bs] matrix.
         """
         B, N, _ = x.shape
         A = anchors.shape[1]
         bs = N // A
+        kv, rep = self.n_kv_heads, self.n_heads // self.n_kv_heads
 
-        def blockwise_rope(t: mx.array, n_heads: int) -> mx.array:
-            t = t.reshape(B * A, bs, n_heads, -1).transpose(0, 2, 1, 3)  # one rope offset per block
+        def per_block(t: mx.array, n_heads: int) -> mx.array:  # -> [B, heads, A, bs, hd], RoPE'd per block
+            t = t.reshape(B * A, bs, n_heads, -1).transpose(0, 2, 1, 3)
             t = self.rope(t, offset=anchors.reshape(-1))
-            return t.reshape(B, A, n_heads, bs, -1).transpose(0, 2, 1, 3, 4).reshape(B, n_heads, N, -1)
+            return t.reshape(B, A, n_heads, bs, -1).transpose(0, 2, 1, 3, 4)
 
-        queries = blockwise_rope(self.q_norm(self.q_proj(x).reshape(B, N, self.n_heads, -1)), self.n_heads)
-        keys = blockwise_rope(self.k_norm(self.k_proj(x).reshape(B, N, self.n_kv_heads, -1)), self.n_kv_heads)
-        values = self._heads(self.v_proj(x), self.n_kv_heads)
-        ctx_k, ctx_v = self.context_kv(context, 0)
-        keys = mx.concatenate([ctx_k, keys], axis=2)
-        values = mx.concatenate([ctx_v, values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, N, -1))
+        q = per_block(self.q_norm(self.q_proj(x).reshape(B, N, self.n_heads, -1)), self.n_heads)
+        k = per_block(self.k_norm(self.k_proj(x).reshape(B, N, kv, -1)), kv)
+        v = self.v_proj(x).reshape(B, A, bs, kv, -1).transpose(0, 3, 1, 2, 4)  # [B, kv, A, bs, hd]
+        ctx_k, ctx_v = self.context_kv(context, 0)  # [B, kv, T, hd]
+        T = ctx_k.shape[2]
+        q = q.reshape(B, kv, rep, A, bs, -1) * self.scale
+        ctx_scores = q.reshape(B, kv, rep, N, -1) @ ctx_k[:, :, None].swapaxes(-1, -2)  # [B, kv, rep, N, T]
+        visible = mx.repeat(sees_context, bs, axis=1)[:, None, None]  # [B, 1, 1, N, T]
+        ctx_scores = mx.where(visible, ctx_scores, mx.array(-1e9, ctx_scores.dtype))
+        own_scores = (q @ k[:, :, None].swapaxes(-1, -2)).reshape(B, kv, rep, N, bs)  # [.., N, bs]
+        probs = mx.softmax(mx.concatenate([ctx_scores, own_scores], axis=-1).astype(mx.float32), axis=-1)
+        probs = probs.astype(q.dtype)
+        out = probs[..., :T] @ ctx_v[:, :, None]  # [B, kv, rep, N, hd]
+        out = out + (probs[..., T:].reshape(B, kv, rep, A, bs, bs) @ v[:, :, None]).reshape(out.shape)
+        out = out.reshape(B, self.n_heads, N, -1).transpose(0, 2, 1, 3).reshape(B, N, -1)
+        return self.o_proj(out)
 
     def __call__(
         self,
@@ -307,13 +318,13 @@ class DFlashDraft(nn.Module):
         return self.norm(h)
 
     def forward_blocks(self, block_embeddings: mx.array, context: mx.array, anchors: mx.array,
-                       mask: mx.array) -> mx.array:
+                       sees_context: mx.array) -> mx.array:
         """Training forward: all anchored blocks of a batch in one pass (see ``train.py``)."""
         if self.config.layer_types and "sliding_attention" in self.config.layer_types:
             raise DFlashError("training drafts with sliding-window layers is not supported")
         h = block_embeddings
         for layer in self.layers:
-            h = layer(h, context, None, mask, anchors=anchors)
+            h = layer(h, context, None, sees_context, anchors=anchors)
         return self.norm(h)
 
 

@@ -3,9 +3,9 @@
 Per step: pick sequences (prompt + the target's own response), run the frozen
 target once over them to get the tapped hidden states, put up to ``anchors``
 blocks ``[x_a, MASK, ..., MASK]`` at random response positions ``a``, and run
-every block of a sequence through the draft in ONE pass under a mask that lets
-a block see the context strictly before its anchor and itself (bidirectionally),
-never another block. Loss: cross-entropy at block slots k = 1..bs-1 against
+every block of a sequence through the draft in ONE pass: a block sees the
+context strictly before its anchor and itself (bidirectionally), never another
+block (``DraftAttention.attend_blocks``). Loss: cross-entropy at block slots k = 1..bs-1 against
 x_(a+k), weighted exp(-(k-1)/gamma). AdamW, warm-up + cosine, grad clipping;
 the target's embedding and head stay frozen (they are not draft parameters).
 """
@@ -93,18 +93,11 @@ def sample_anchors(record: dict, max_anchors: int, max_len: int, rng: np.random.
     return np.sort(rng.choice(choices, size=min(max_anchors, choices.size), replace=False))
 
 
-def block_attention_mask(anchors: mx.array, context_len: int, block_size: int) -> mx.array:
-    """[B, 1, A*bs, T + A*bs]: a block's queries see context j < anchor and their own block.
+def context_visibility(anchors: mx.array, context_len: int) -> mx.array:
+    """[B, A, T]: block i sees context position j iff j < anchors[:, i] (strictly before it).
 
-    Padding anchors (weight 0) sit at position 0: they see only their own block."""
-    B, A = anchors.shape
-    sees_context = mx.arange(context_len)[None, None, :] < anchors[:, :, None]  # [B, A, T]
-    sees_context = mx.repeat(sees_context, block_size, axis=1)  # [B, A*bs, T]
-    block_of = mx.arange(A * block_size) // block_size
-    same_block = block_of[:, None] == block_of[None, :]  # [A*bs, A*bs]
-    same_block = mx.broadcast_to(same_block[None], (B, A * block_size, A * block_size))
-    mask = mx.concatenate([sees_context, same_block], axis=-1)
-    return mask[:, None]
+    Padding anchors (weight 0) sit at position 0: they see no context, only their own block."""
+    return mx.arange(context_len)[None, None, :] < anchors[:, :, None]
 
 
 def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: np.random.Generator) -> dict:
@@ -131,7 +124,7 @@ def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: n
         "tokens": mx.array(tokens),
         "anchors": mx.array(anchor_pos),
         "block_tokens": mx.array(block_tokens.reshape(len(records), A * bs)),
-        "mask": block_attention_mask(mx.array(anchor_pos), T, bs),
+        "sees_context": context_visibility(mx.array(anchor_pos), T),
         "labels": mx.array(labels),
         "weights": mx.array(weights),
     }
@@ -142,10 +135,11 @@ def block_loss(draft: DFlashDraft, target: Target, batch: dict, features: mx.arr
     B, A = batch["anchors"].shape
     bs = draft.block_size
     hidden = draft.forward_blocks(
-        target.embed(batch["block_tokens"]), draft.project_context(features), batch["anchors"], batch["mask"]
+        target.embed(batch["block_tokens"]), draft.project_context(features), batch["anchors"], batch["sees_context"]
     )
     hidden = hidden.reshape(B, A, bs, -1)[:, :, 1:]
-    logits = target.head(hidden).astype(mx.float32)
+    # the head is most of the FLOPs: run it in the target's dtype (bf16 on GPUs), the loss in float32
+    logits = target.head(hidden.astype(features.dtype)).astype(mx.float32)
     losses = nn.losses.cross_entropy(logits, batch["labels"], reduction="none")
     return (losses * batch["weights"]).sum() / mx.maximum(batch["weights"].sum(), 1e-6)
 
