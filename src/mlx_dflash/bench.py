@@ -8,6 +8,7 @@ tokens with plain greedy decoding (True, or the index of the first difference).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -22,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .errors import DFlashError
+from .sampling import SamplingParams
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
 
@@ -65,20 +67,28 @@ def _timed(stream: Iterator, token_of: Callable, accept_of: Callable = lambda r:
     return tokens, (first or end) - tic, end - (first or end), acceptance
 
 
-def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=None, num_draft_tokens: int = 3) -> tuple:
-    """mlx-lm's own stream_generate (greedy); with ``draft_model`` its speculative decoding."""
+def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=None, num_draft_tokens: int = 3,
+               sampling: Optional[SamplingParams] = None) -> tuple:
+    """mlx-lm's own stream_generate (greedy unless ``sampling``); with ``draft_model`` its speculative decoding."""
     from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
 
     extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
+    if sampling is not None and not sampling.greedy:
+        extra["sampler"] = make_sampler(temp=sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p,
+                                        top_k=sampling.top_k, min_tokens_to_keep=sampling.min_tokens_to_keep)
+        extra["logits_processors"] = sampling.logits_processors
     stream = stream_generate(model, tokenizer, mx.array(prompt), max_tokens=length, **extra)
     eos = tokenizer.eos_token_ids
     return _timed(stream, lambda r: [] if r.finish_reason == "stop" and r.token in eos else [r.token])
 
 
-def run_dflash(model, tokenizer, prompt: list[int], length: int, proposer, block_size: Optional[int]) -> tuple:
+def run_dflash(model, tokenizer, prompt: list[int], length: int, proposer, block_size: Optional[int],
+               sampling: Optional[SamplingParams] = None) -> tuple:
     from .engine import stream_generate
 
-    stream = stream_generate(model, tokenizer, prompt, proposer, max_tokens=length, block_size=block_size)
+    stream = stream_generate(model, tokenizer, prompt, proposer, max_tokens=length, block_size=block_size,
+                             sampling=sampling)
     return _timed(stream, lambda r: r.tokens, lambda r: r.acceptance_length)
 
 
@@ -217,6 +227,7 @@ class BenchConfig:
     no_eos: bool = False
     block_size: Optional[int] = None
     num_draft_tokens: int = 3
+    sampling: Optional[SamplingParams] = None  # None: greedy
 
 
 def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: BenchConfig,
@@ -237,7 +248,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
         jobs = [(p, n, r) for n in cfg.lengths for p in range(len(prompts)) for r in range(cfg.repeats)]
         for p, length, _ in tqdm(jobs, desc="bench", unit="run"):
             prompt = prompts[p]
-            base = Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompt, length)[:3])
+            base = Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompt, length, sampling=cfg.sampling)[:3])
             runs.append(base)
             if ar_draft is not None:
                 tokens, pre, dec, _ = run_mlx_lm(model, tokenizer, prompt, length, ar_draft, cfg.num_draft_tokens)
@@ -245,15 +256,24 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
             for name, proposer in proposers.items():
                 if _is_factory(proposer):  # replay: built from this prompt's greedy reference
                     proposer = proposer(list(prompt) + base.tokens)
-                runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer, cfg.block_size)))
+                sampling = cfg.sampling
+                if sampling is not None and name.endswith("_match"):
+                    sampling = dataclasses.replace(sampling, accept="match")
+                runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer,
+                                                             cfg.block_size, sampling)))
     finally:
         tokenizer.eos_token_ids = saved_eos
     block = cfg.block_size or max([getattr(p, "block_size", 16) for p in proposers.values()] + [16])
     summary = summarize(runs, block)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
+        config = {k: v for k, v in asdict(cfg).items() if k != "sampling"}
+        if cfg.sampling is not None:
+            s = cfg.sampling
+            config["sampling"] = {"temp": s.temp, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+                                  "seed": s.seed, "logits_processors": len(s.logits_processors)}
         (out_dir / "results.json").write_text(json.dumps(
-            {"config": asdict(cfg), "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
+            {"config": config, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
         (out_dir / "results.md").write_text(markdown_table(summary) + "\n")
         plot(summary, out_dir)
     return summary

@@ -22,7 +22,32 @@ def _add_generate(sub) -> None:
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--verbose", action="store_true", help="print per-cycle acceptance")
+    _add_sampling_flags(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_sampling_flags(p) -> None:
+    """mlx-lm's sampling flags; temperature 0 (the default) is greedy."""
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--accept", choices=["speculative", "match"], default="speculative",
+                   help="speculative: accept with min(1, p/q) (default); match: exact match with a target sample")
+
+
+def _sampling_from_args(args):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from .sampling import SamplingParams
+
+    if args.repetition_penalty is not None and args.repetition_penalty <= 0:
+        raise DFlashError(f"--repetition-penalty must be positive, got {args.repetition_penalty}")
+    processors = make_logits_processors(repetition_penalty=args.repetition_penalty) if args.repetition_penalty else []
+    return SamplingParams(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                          logits_processors=processors, accept=args.accept)
 
 
 def _add_models(sub) -> None:
@@ -85,6 +110,7 @@ def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[int]:
 def _run_generate(args) -> None:
     from .draft import load_draft
     from .models import DEFAULT_MODEL, shipped_draft
+    from .target import float_dtype
     from .engine import generate_text_stats, stream_generate
     from .target import check_compatible, load_target
 
@@ -92,12 +118,13 @@ def _run_generate(args) -> None:
         raise DFlashError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     model_name = args.model or DEFAULT_MODEL
     model, tokenizer = load_target(model_name)
-    draft = load_draft(args.draft or shipped_draft(model_name))
+    draft = load_draft(args.draft or shipped_draft(model_name), dtype=float_dtype(model))
     check_compatible(draft, model)
     prompt = _format_prompt(tokenizer, args.prompt, args.chat, args.system)
     acceptance = []
+    sampling = _sampling_from_args(args)
     for response in stream_generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
-                                    block_size=args.block_size, stop=args.stop):
+                                    block_size=args.block_size, stop=args.stop, sampling=sampling):
         print(response.text, end="", flush=True)
         if response.acceptance_length is not None:
             acceptance.append(response.acceptance_length)
@@ -203,6 +230,7 @@ def _add_bench(sub) -> None:
                    help="scale mode: mean acceptance length(s) of the replay")
     p.add_argument("--draft-layers", type=int, default=5, help="scale mode: layers of the random draft")
     p.add_argument("--prompt-len", type=int, default=128, help="scale mode: random prompt length")
+    _add_sampling_flags(p)
     p.set_defaults(func=_run_bench)
 
 
@@ -248,18 +276,22 @@ def _run_bench(args) -> None:
         return
     from .draft import load_draft
     from .models import DEFAULT_MODEL, shipped_draft
-    from .target import check_compatible, load_target
+    from .target import check_compatible, float_dtype, load_target
 
     model_name = args.model or DEFAULT_MODEL
     model, tokenizer = load_target(model_name)
-    draft = load_draft(args.draft or shipped_draft(model_name), dtype=model.model.embed_tokens.weight.dtype
-                       if not hasattr(model.model.embed_tokens, "scales") else None)
+    draft = load_draft(args.draft or shipped_draft(model_name), dtype=float_dtype(model))
     check_compatible(draft, model)
     ar_draft = load_target(args.ar_draft)[0] if args.ar_draft else None
     texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
     texts = texts[: args.num_prompts]
     prompts = [encode_chat(tokenizer, t) if args.chat else tokenizer.encode(t) for t in texts]
-    summary = run_bench(model, tokenizer, prompts, {"dflash": draft}, cfg, ar_draft=ar_draft, out_dir=out)
+    sampling = _sampling_from_args(args)
+    proposers = {"dflash": draft}
+    if not sampling.greedy:  # the exact-match scheme of earlier engines, for comparison
+        proposers["dflash_match"] = draft
+    cfg.sampling = sampling
+    summary = run_bench(model, tokenizer, prompts, proposers, cfg, ar_draft=ar_draft, out_dir=out)
     print(markdown_table(summary))
 
 

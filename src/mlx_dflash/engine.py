@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from .draft import DFlashDraft
 from .errors import DFlashError
+from .sampling import SamplingParams, _sample, draft_tokens, verify
 from .target import Target, check_compatible
 
 PREFILL_STEP = 2048
@@ -57,13 +58,16 @@ class DFlashProposer:
     def add_context(self, features: mx.array) -> None:
         self.pending.append(self.draft.project_context(features))
 
-    def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
+    def draft_logits(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        """Logits [num_tokens, V] for the block slots after ``first_token`` (one draft pass)."""
         block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
         new_context = mx.concatenate(self.pending, axis=1) if self.pending else None
         self.pending = []
         hidden = self.draft(self.target.embed(block[None]), new_context, self.cache)
-        logits = self.target.head(hidden[:, 1:])
-        return mx.argmax(logits[0], axis=-1)
+        return self.target.head(hidden[:, 1:])[0]
+
+    def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        return mx.argmax(self.draft_logits(first_token, num_tokens), axis=-1)
 
 
 @dataclass
@@ -91,34 +95,61 @@ def decode_cycles(
     prompt: mx.array,
     max_tokens: int,
     block_size: int,
+    sampling: Optional[SamplingParams] = None,
 ) -> Iterator[Cycle]:
-    """Greedy DFlash decoding; yields committed tokens cycle by cycle, at most ``max_tokens``."""
+    """DFlash decoding; yields committed tokens cycle by cycle, at most ``max_tokens``.
+
+    ``sampling=None`` is plain greedy; otherwise see ``sampling.py`` (lossless sampling).
+    """
     cache = target.make_cache()
     proposer.start(target)
-    bonus = mx.argmax(_prefill(target, proposer, prompt, cache), keepdims=True)  # [1]
+    if sampling is not None and sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    history = prompt.tolist()  # committed tokens before the current block, for logits processors
+    last_logits = _prefill(target, proposer, prompt, cache)[None]
+    if sampling is None or sampling.greedy:
+        processed = sampling.process_row(last_logits, prompt) if sampling else last_logits
+        bonus = mx.argmax(processed[0], keepdims=True).astype(mx.uint32)  # [1]
+    else:
+        bonus = _sample(sampling.probabilities(sampling.process_row(last_logits, prompt))).astype(mx.uint32)
 
     def launch(first: mx.array, block_len: int):
         """Draft and verify one block (lazily); queue it on the device."""
-        drafted = proposer.propose(first, block_len - 1) if block_len > 1 else first[:0]
-        logits, features = target(mx.concatenate([first, drafted.astype(first.dtype)])[None], cache)
-        choice = mx.argmax(logits[0], axis=-1)  # the target's own token after each block position
-        matched = mx.cumprod((drafted == choice[:-1]).astype(mx.int32))
-        accepted = matched.sum(keepdims=True)  # a: drafted tokens equal to the target's choice
-        mx.async_eval(choice, accepted, features)
-        return choice, accepted, features
+        n = block_len - 1
+        before = mx.array(history, dtype=mx.uint32) if sampling and sampling.logits_processors else None
+        if n == 0:
+            drafted, q = first[:0], None
+        elif sampling is None:
+            drafted, q = proposer.propose(first, n).astype(mx.uint32), None
+        elif hasattr(proposer, "draft_logits"):
+            drafted, q = draft_tokens(sampling, proposer.draft_logits(first, n), before, first)
+        else:  # a proposer without distributions (replay): its proposal is certain, q is one-hot
+            drafted = proposer.propose(first, n).astype(mx.uint32)
+            exact = sampling.greedy or sampling.accept == "match"
+            q = None if exact else (mx.arange(target.vocab_size)[None] == drafted[:, None]).astype(mx.float32)
+        block = mx.concatenate([first, drafted])
+        logits, features = target(block[None], cache)
+        if sampling is None:
+            tokens = mx.argmax(logits[0], axis=-1).astype(mx.uint32)  # the target's own choice after each slot
+            accepted = mx.cumprod((drafted == tokens[:-1]).astype(mx.int32)).sum(keepdims=True)
+        else:
+            tokens, accepted = verify(sampling, logits[0], before, block, drafted, q)
+        mx.async_eval(tokens, accepted, features)
+        return tokens, accepted, features
 
-    emitted = 1
-    yield Cycle([bonus.item()], None)
+    emitted, bonus_id = 1, bonus.item()
+    yield Cycle([bonus_id], None)
     pending = launch(bonus, min(block_size, max_tokens - emitted)) if emitted < max_tokens else None
     while pending is not None:
-        choice, accepted, features = pending
-        block_len = choice.size
-        a = accepted.item()  # the cycle's single device-to-host sync (choice is evaluated with it)
-        committed = choice[: a + 1].tolist()  # d1..da equal t0..t(a-1); t(a) is the bonus token
+        tokens, accepted, features = pending
+        block_len = tokens.size
+        a = accepted.item()  # the cycle's single device-to-host sync (tokens are evaluated with it)
+        committed = tokens[: a + 1].tolist()  # a accepted drafts, then the bonus token
         target.rollback(cache, block_len - (a + 1))  # drop rejected drafts (the bonus is not cached)
         proposer.add_context(features[:, : a + 1])
         emitted += a + 1
-        bonus = choice[a : a + 1]
+        history += [bonus_id] + committed[:-1]  # history: every token before the next block's first
+        bonus, bonus_id = tokens[a : a + 1], committed[-1]
         pending = launch(bonus, min(block_size, max_tokens - emitted)) if emitted < max_tokens else None
         yield Cycle(committed, a + 1, block_len)
 
@@ -189,11 +220,13 @@ def stream_generate(
     max_tokens: int = 256,
     block_size: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
+    sampling: Optional[SamplingParams] = None,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
     Output ends at the first EOS (not emitted), at ``max_tokens`` tokens, or at the
     first stop string (text cut before it; tokens end with the one completing it).
+    ``sampling``: temperature, top-p/k, min-p, logits processors and seed (default greedy).
     """
     target, proposer = make_proposer(model, draft)
     block_size = block_size or proposer.block_size
@@ -212,7 +245,9 @@ def stream_generate(
     sent_chars = 0
     tic = time.perf_counter()
     prefill_s = 0.0
-    for n_cycle, cycle in enumerate(decode_cycles(target, proposer, prompt, max_tokens, block_size)):
+    if sampling is not None and sampling.greedy and not sampling.logits_processors:
+        sampling = None  # plain greedy: the bit-exact path
+    for n_cycle, cycle in enumerate(decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling)):
         if n_cycle == 0:
             prefill_s = time.perf_counter() - tic
             tic = time.perf_counter()

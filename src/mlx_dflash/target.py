@@ -146,6 +146,13 @@ class Target:
                 raise RuntimeError(f"cache trimmed {trimmed} of {num_tokens} tokens")
 
 
+def float_dtype(model: nn.Module):
+    """The dtype the draft should run in next to ``model``: its embedding's float dtype
+    (float32 on the CPU, where bfloat16 bypasses BLAS); None for a quantized embedding."""
+    embed = model.model.embed_tokens
+    return None if hasattr(embed, "scales") else embed.weight.dtype
+
+
 def check_compatible(draft: DFlashDraft, target: nn.Module) -> None:
     """Fail with one clear line when a draft was not made for this target."""
     config = draft.config

@@ -1,0 +1,133 @@
+"""Lossless sampling for DFlash: speculative accept/reject on the draft's distribution.
+
+The draft drafts every block position in one pass, so each position k has its own
+distribution q_k (after the same logits processors, top-k/top-p/min-p filters and
+temperature as the target's p_k; the filters are mlx-lm's own). Token d_k is kept
+with probability min(1, p_k(d_k) / q_k(d_k)); at the first rejection the bonus token
+is drawn from normalize(max(0, p_k - q_k)); when all are kept, from the next p. The
+emitted tokens are then distributed exactly as the target's own sampling.
+
+``accept="match"`` is the scheme of earlier MLX engines, kept for comparison: greedy
+drafts accepted only when equal to a token sampled from p (also exact, but it
+accepts less). Temperature 0 is plain greedy verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from .errors import DFlashError
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class SamplingParams:
+    """mlx-lm's names: temp, top_p, top_k, min_p, min_tokens_to_keep; plus a seed."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    seed: Optional[int] = None
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    accept: str = "speculative"  # or "match"
+
+    def __post_init__(self) -> None:
+        if self.temp < 0 or self.temp > 100:
+            raise DFlashError(f"temperature must be in [0, 100], got {self.temp}")
+        if not 0 <= self.top_p <= 1:
+            raise DFlashError(f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_k < 0 or not 0 <= self.min_p <= 1:
+            raise DFlashError(f"top_k must be >= 0 and min_p in [0, 1], got {self.top_k}, {self.min_p}")
+        if self.accept not in ("speculative", "match"):
+            raise DFlashError(f"accept must be 'speculative' or 'match', got {self.accept!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def process(self, logits: mx.array, history: mx.array, block: mx.array) -> mx.array:
+        """Apply the logits processors row by row; row j sees history + block[:j + 1]."""
+        if not self.logits_processors:
+            return logits
+        rows = [self.process_row(logits[j : j + 1], mx.concatenate([history, block[: j + 1]]))
+                for j in range(logits.shape[0])]
+        return mx.concatenate(rows, axis=0)
+
+    def process_row(self, row: mx.array, tokens: mx.array) -> mx.array:
+        for processor in self.logits_processors:
+            row = processor(tokens, row)
+        return row
+
+    def probabilities(self, logits: mx.array) -> mx.array:
+        """The sampling distribution mlx-lm's sampler draws from (filters, then temperature)."""
+        logprobs = logits.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p:
+            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return mx.softmax(logprobs / self.temp, axis=-1)
+
+
+def _sample(probs: mx.array) -> mx.array:
+    return mx.random.categorical(mx.log(probs))
+
+
+def draft_tokens(params: SamplingParams, logits: mx.array, history: mx.array, first: mx.array) -> tuple:
+    """Drafted tokens [n] and their distributions q [n, V] (None when drafted greedily)."""
+    if params.greedy or params.accept == "match":
+        processed = params.process(logits, history, first)  # drafts of "match" are greedy
+        return mx.argmax(processed, axis=-1).astype(mx.uint32), None
+    if not params.logits_processors:  # every position at once
+        q = params.probabilities(logits)
+        return _sample(q).astype(mx.uint32), q
+    drafted, qs = [], []  # processors see the drafted prefix: sample position by position
+    for j in range(logits.shape[0]):
+        q = params.probabilities(params.process_row(logits[j : j + 1], mx.concatenate([history, first, *drafted])))
+        qs.append(q)
+        drafted.append(_sample(q).astype(mx.uint32))
+    return mx.concatenate(drafted), mx.concatenate(qs, axis=0)
+
+
+def verify(params: SamplingParams, logits: mx.array, history: mx.array, block: mx.array,
+           drafted: mx.array, q: Optional[mx.array]) -> tuple[mx.array, mx.array]:
+    """(tokens [bs], a): the first a + 1 tokens are committed (a accepted drafts + bonus)."""
+    processed = params.process(logits, history, block)
+    if params.greedy:
+        choice = mx.argmax(processed, axis=-1).astype(mx.uint32)
+        return choice, mx.cumprod((drafted == choice[:-1]).astype(mx.int32)).sum(keepdims=True)
+    p = params.probabilities(processed)
+    if q is None:  # exact match against a sample of the target
+        choice = _sample(p).astype(mx.uint32)
+        return choice, mx.cumprod((drafted == choice[:-1]).astype(mx.int32)).sum(keepdims=True)
+    return speculative_accept(p, q, drafted)
+
+
+def speculative_accept(p: mx.array, q: mx.array, drafted: mx.array) -> tuple[mx.array, mx.array]:
+    """Standard speculative sampling over one block, entirely on the device.
+
+    p [bs, V]: target distributions (row j predicts the token after block position j);
+    q [bs-1, V]: draft distributions of drafted [bs-1] (drafted[j] follows position j).
+    Returns (tokens [bs], a): drafted[:a] then the bonus token at index a.
+    """
+    n = drafted.shape[0]
+    rows = mx.arange(n)
+    p_d = p[rows, drafted] if n else mx.zeros((0,))
+    q_d = q[rows, drafted] if n else mx.zeros((0,))
+    keep = mx.random.uniform(shape=(n,)) * q_d < p_d  # u < p/q without dividing by zero
+    a = mx.cumprod(keep.astype(mx.int32)).sum(keepdims=True)
+    residual = mx.maximum(p[:n] - q, 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:n])  # p == q: never rejected
+    bonus_if = _sample(mx.concatenate([residual, p[n:]], axis=0)).astype(mx.uint32)  # [bs]: the bonus if a == j
+    tokens = mx.where(mx.arange(n + 1) == a, bonus_if, mx.concatenate([drafted, bonus_if[:1]]))
+    return tokens, a

@@ -1,0 +1,135 @@
+"""Lossless sampling: the emitted distribution is the target's, checked statistically."""
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from tiny_models import load_tiny, make_tiny_target
+
+import mlx_dflash.sampling as sampling_module
+from mlx_dflash import create_random_draft, generate
+from mlx_dflash.engine import DFlashProposer, decode_cycles
+from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.target import Target
+
+VOCAB = 16  # a tiny vocabulary makes the exact distributions cheap to compute
+SAMPLES = 3000
+Z_999 = 3.090  # standard normal quantile for significance 1e-3
+
+
+def chi_square_bound(dof: int) -> float:
+    """The 1 - 1e-3 quantile of chi-square (Wilson-Hilferty approximation)."""
+    return dof * (1 - 2 / (9 * dof) + Z_999 * math.sqrt(2 / (9 * dof))) ** 3
+
+
+def chi_square(counts: np.ndarray, expected_probs: np.ndarray) -> tuple[float, int]:
+    expected = expected_probs * counts.sum()
+    big = expected >= 5  # merge sparse cells so the approximation holds
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum() - 1)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir):
+    path = make_tiny_target(tiny_dir / "sampling-qwen3", "qwen3", vocab_size=VOCAB)
+    model, tokenizer = load_tiny(path)
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5)
+    return model, tokenizer, draft, [3, 7, 1]
+
+
+def exact_marginals(model, prompt, params):
+    """P(t2) and P(t3) under the target's own sampling, by enumerating t1 and t2."""
+    def probs(prefixes):
+        logits = model(mx.array(prefixes))[:, -1]
+        return np.array(params.probabilities(logits))
+
+    p1 = probs([prompt])[0]
+    p2_given = probs([prompt + [a] for a in range(VOCAB)])  # [t1, t2]
+    p3_given = probs([prompt + [a, b] for a in range(VOCAB) for b in range(VOCAB)]).reshape(VOCAB, VOCAB, VOCAB)
+    p2 = p1 @ p2_given
+    p3 = np.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    return p2, p3
+
+
+def sampled_marginals(model, draft, prompt, params):
+    target = Target(model, draft.config.target_layer_ids)
+    proposer = DFlashProposer(draft)
+    mx.random.seed(1234)
+    counts = np.zeros((2, VOCAB))
+    for _ in range(SAMPLES):
+        tokens = [t for cycle in decode_cycles(target, proposer, mx.array(prompt), 4, 4, params) for t in cycle.tokens]
+        counts[0, tokens[1]] += 1  # t2: first drafted slot (or its residual resample)
+        counts[1, tokens[2]] += 1  # t3: second drafted slot (or bonus)
+    return counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_k=10, top_p=0.95)],
+                         ids=["temp1", "temp0.7-topk-topp"])
+def test_emitted_distribution_is_the_targets(setup, params):
+    model, _, draft, prompt = setup
+    p2, p3 = exact_marginals(model, prompt, params)
+    counts = sampled_marginals(model, draft, prompt, params)
+    for observed, expected in ((counts[0], p2), (counts[1], p3)):
+        stat, dof = chi_square(observed, expected)
+        assert stat < chi_square_bound(dof), (stat, dof)
+
+
+def test_the_check_catches_a_wrong_acceptance_rule(setup, monkeypatch):
+    """Accepting with min(1, q/p) instead of min(1, p/q) must fail the same test."""
+    model, _, draft, prompt = setup
+
+    def inverted(p, q, drafted):
+        n = drafted.shape[0]
+        p_d, q_d = p[mx.arange(n), drafted], q[mx.arange(n), drafted]
+        keep = mx.random.uniform(shape=(n,)) * p_d < q_d
+        a = mx.cumprod(keep.astype(mx.int32)).sum(keepdims=True)
+        bonus = mx.random.categorical(mx.log(p)).astype(mx.uint32)
+        return mx.where(mx.arange(n + 1) == a, bonus, mx.concatenate([drafted, bonus[:1]])), a
+
+    monkeypatch.setattr(sampling_module, "speculative_accept", inverted)
+    params = SamplingParams(temp=1.0)
+    p2, p3 = exact_marginals(model, prompt, params)
+    counts = sampled_marginals(model, draft, prompt, params)
+    stats = [chi_square(counts[0], p2), chi_square(counts[1], p3)]
+    assert any(stat > chi_square_bound(dof) for stat, dof in stats), stats
+
+
+def test_probabilities_match_mlx_lm_sampler(setup):
+    """Our p is the distribution mlx-lm's own sampler draws from (same filters and temperature)."""
+    params = SamplingParams(temp=0.8, top_k=6, min_p=0.05)
+    logits = mx.random.normal((1, VOCAB), key=mx.random.key(0)) * 2
+    sampler = make_sampler(temp=0.8, top_k=6, min_p=0.05)
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    mx.random.seed(0)
+    counts = np.bincount(np.array(mx.concatenate([sampler(logprobs) for _ in range(4000)])), minlength=VOCAB)
+    stat, dof = chi_square(counts, np.array(params.probabilities(logits))[0])
+    assert stat < chi_square_bound(dof)
+
+
+def test_same_seed_same_text(setup):
+    model, tokenizer, draft, prompt = setup
+    tokenizer.eos_token_ids = set()
+    runs = [generate(model, tokenizer, prompt, draft, max_tokens=30, sampling=SamplingParams(temp=1.0, seed=7))
+            for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens
+    other = generate(model, tokenizer, prompt, draft, max_tokens=30, sampling=SamplingParams(temp=1.0, seed=8))
+    assert other.tokens != runs[0].tokens
+
+
+def test_greedy_with_repetition_penalty_equals_mlx_lm(setup):
+    model, tokenizer, draft, prompt = setup
+    tokenizer.eos_token_ids = set()
+    processors = make_logits_processors(repetition_penalty=1.5, repetition_context_size=8)
+    expected = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=40, logits_processors=processors)]
+    params = SamplingParams(temp=0.0, logits_processors=make_logits_processors(repetition_penalty=1.5,
+                                                                             repetition_context_size=8))
+    assert generate(model, tokenizer, prompt, draft, max_tokens=40, sampling=params).tokens == expected
+    assert generate(model, tokenizer, prompt, draft, max_tokens=40, sampling=SamplingParams(temp=0.0)).tokens == \
+        [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
