@@ -295,6 +295,39 @@ def _run_bench(args) -> None:
     print(markdown_table(summary))
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
+    p.add_argument("--model", default=None, help="target (default: the embedded default model)")
+    p.add_argument("--draft", default=None, help="DFlash draft (default: the one shipped for --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--context-limit", type=int, default=None,
+                   help="max prompt + completion tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens a request may ask for")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> None:
+    import uvicorn
+
+    from .draft import load_draft
+    from .models import DEFAULT_MODEL, shipped_draft
+    from .server import Served, create_app
+    from .target import check_compatible, float_dtype, load_target
+
+    if not 0 < args.port < 65536:
+        raise DFlashError(f"--port must be in 1..65535, got {args.port}")
+    model_name = args.model or DEFAULT_MODEL
+    model, tokenizer = load_target(model_name)
+    draft = load_draft(args.draft or shipped_draft(model_name), dtype=float_dtype(model))
+    check_compatible(draft, model)
+    context = args.context_limit or getattr(model.args, "max_position_embeddings", None) or 4096
+    if context < 2 or args.max_tokens_limit < 1:
+        raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")
+    served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context))
+    uvicorn.run(create_app(served), host=args.host, port=args.port)
+
+
 def _add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="check this machine's set-up (BLAS on Linux CPUs)")
     p.add_argument("--fix", action="store_true", help="install OpenBLAS when possible (root + apt)")
@@ -321,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_data(sub)
     _add_train(sub)
     _add_bench(sub)
+    _add_serve(sub)
     _add_doctor(sub)
     args = parser.parse_args(argv)
     try:

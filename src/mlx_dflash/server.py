@@ -1,0 +1,227 @@
+"""``mlx-dflash serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+One model, one generation at a time: requests wait on an asyncio lock (FIFO) and
+each generation runs cycle by cycle in a worker thread, so the event loop stays
+free to notice a client that disconnects mid-stream; its generation stops at the
+next cycle and the next request proceeds. Bad requests get a 4xx with an
+OpenAI-style error body and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from .engine import stream_generate
+from .errors import DFlashError
+from .sampling import SamplingParams
+
+ROLES = {"system", "user", "assistant"}
+DEFAULT_MAX_TOKENS = 256
+
+
+class RequestError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+@dataclass
+class Served:
+    model: Any
+    tokenizer: Any
+    draft: Any
+    name: str
+    context_limit: int
+    max_tokens_limit: int
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    max_tokens: int
+    stop: list[str]
+    sampling: Optional[SamplingParams]
+    chat: bool
+    stream: bool
+
+
+def _number(body: dict, key: str, kind, default, low, high):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise RequestError(400, f"'{key}' must be a number", key)
+    if not low <= value <= high:
+        raise RequestError(400, f"'{key}' must be between {low} and {high}, got {value}", key)
+    return kind(value)
+
+
+def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
+    """Validate a request body into a Job; every problem is a RequestError (4xx)."""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RequestError(400, "request body is not valid UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    model = body.get("model", served.name)
+    if model != served.name:
+        raise RequestError(404, f"model '{model}' does not exist; this server serves '{served.name}'", "model",
+                           "model_not_found")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "'messages' must be a non-empty list", "messages")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise RequestError(400, "each message needs a 'role' (system, user or assistant) and a string "
+                                   "'content'", "messages")
+        prompt = list(served.tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True))
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise RequestError(400, "'prompt' must be a non-empty string", "prompt")
+        prompt = served.tokenizer.encode(text)
+    limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    default = max(1, min(DEFAULT_MAX_TOKENS, served.max_tokens_limit, served.context_limit - len(prompt)))
+    max_tokens = _number(body, limit_key, int, default, 1, served.max_tokens_limit)
+    if len(prompt) + max_tokens > served.context_limit:
+        raise RequestError(400, f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                           f"limit of {served.context_limit} tokens", "messages" if chat else "prompt",
+                           "context_length_exceeded")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+        raise RequestError(400, "'stop' must be a string or a list of at most 4 strings", "stop")
+    temp = _number(body, "temperature", float, 0.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise RequestError(400, "'seed' must be an integer", "seed")
+    sampling = SamplingParams(temp=temp, top_p=top_p if top_p < 1 else 0.0, seed=seed) if temp > 0 else None
+    return Job(prompt, max_tokens, stop, sampling, chat, body.get("stream") is True)
+
+
+def _usage(job: Job, completion_tokens: int, acceptance: list[int], tps: float) -> dict:
+    return {
+        "prompt_tokens": len(job.prompt),
+        "completion_tokens": completion_tokens,
+        "total_tokens": len(job.prompt) + completion_tokens,
+        "dflash": {
+            "cycles": len(acceptance),
+            "mean_acceptance_length": sum(acceptance) / len(acceptance) if acceptance else 0.0,
+            "decode_tokens_per_sec": tps,
+        },
+    }
+
+
+def _chunk(job: Job, rid: str, created: int, name: str, text: str, finish: Optional[str], usage=None) -> dict:
+    if job.chat:
+        choice = {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+        obj = "text_completion"
+    out = {"id": rid, "object": obj, "created": created, "model": name, "choices": [choice]}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def create_app(served: Served) -> FastAPI:
+    app = FastAPI(title="mlx-dflash")
+    lock = asyncio.Lock()  # one generation at a time; waiters are served in arrival order
+    counts = {"completed": 0, "cancelled": 0}  # generations, reported by /health
+
+    def stream(job: Job):
+        return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
+                               max_tokens=job.max_tokens, stop=job.stop, sampling=job.sampling)
+
+    async def run(job: Job, request: Request) -> AsyncIterator:
+        """Responses of one generation; stops when the client goes away."""
+        async with lock:
+            responses, finished = stream(job), False
+            try:
+                while not await request.is_disconnected():
+                    response = await run_in_threadpool(next, responses, None)
+                    if response is None:
+                        finished = True
+                        return
+                    yield response
+            finally:
+                responses.close()
+                counts["completed" if finished else "cancelled"] += 1
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **counts}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "mlx-dflash"}]}
+
+    async def complete(request: Request, chat: bool):
+        try:
+            job = parse_job(served, await request.body(), chat)
+        except RequestError as exc:
+            return error_response(exc.status, exc.message, exc.param, exc.code)
+        except DFlashError as exc:
+            return error_response(400, str(exc))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if job.stream:
+            async def events():
+                tokens, acceptance, last = 0, [], None
+                async for r in run(job, request):
+                    last, tokens = r, tokens + len(r.tokens)
+                    acceptance += [r.acceptance_length] if r.acceptance_length else []
+                    if r.text:
+                        yield f"data: {json.dumps(_chunk(job, rid, created, served.name, r.text, None))}\n\n"
+                if last is not None:
+                    finish = "length" if last.finish_reason == "length" else "stop"
+                    usage = _usage(job, tokens, acceptance, last.decode_tokens_per_sec)
+                    yield f"data: {json.dumps(_chunk(job, rid, created, served.name, '', finish, usage))}\n\n"
+                    yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        pieces, tokens, acceptance, last = [], 0, [], None
+        async for r in run(job, request):
+            pieces.append(r.text)
+            last, tokens = r, tokens + len(r.tokens)
+            acceptance += [r.acceptance_length] if r.acceptance_length else []
+        text = "".join(pieces)
+        finish = "length" if last is not None and last.finish_reason == "length" else "stop"
+        usage = _usage(job, tokens, acceptance, last.decode_tokens_per_sec if last else 0.0)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {"id": rid, "object": "chat.completion", "created": created, "model": served.name,
+                    "choices": [choice], "usage": usage}
+        return {"id": rid, "object": "text_completion", "created": created, "model": served.name,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": usage}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    return app

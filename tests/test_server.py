@@ -1,0 +1,160 @@
+"""The OpenAI-compatible server, for real: uvicorn on loopback, the official client, raw HTTP."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+from tiny_models import MASK_ID, load_tiny, make_tiny_target
+
+from mlx_dflash import create_random_draft, generate
+from mlx_dflash.server import Served, create_app
+
+NAME = "tiny"
+CONTEXT = 2048
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    path = make_tiny_target(tiny_dir / "server-qwen3", "qwen3")
+    model, tokenizer = load_tiny(path)
+    tokenizer.eos_token_ids = set()  # random weights: generate to max_tokens
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(Served(model, tokenizer, draft, NAME, CONTEXT, 1800))
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    yield base, model, tokenizer, draft
+    uv.should_exit = True
+    thread.join(timeout=10)
+
+
+def expected_chat(model, tokenizer, draft, messages, max_tokens):
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return generate(model, tokenizer, prompt, draft, max_tokens=max_tokens)
+
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Count to three."},
+]
+
+
+def client(base):
+    return OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
+
+
+def test_models_and_health(server):
+    base = server[0]
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+    assert [m.id for m in client(base).models.list().data] == [NAME]
+
+
+def test_chat_multi_turn_equals_generate(server):
+    base, model, tokenizer, draft = server
+    reply = client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24)
+    expected = expected_chat(model, tokenizer, draft, MESSAGES, 24)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 24
+    assert reply.usage.model_extra["dflash"]["mean_acceptance_length"] >= 1
+
+
+def test_chat_streaming_equals_generate(server):
+    base, model, tokenizer, draft = server
+    chunks = list(client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected_chat(model, tokenizer, draft, MESSAGES, 24).text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_completions_with_stop(server):
+    base, model, tokenizer, draft = server
+    full = generate(model, tokenizer, "abc", draft, max_tokens=30).text
+    stop = next(full[i : i + 2] for i in range(5, 25) if full[i : i + 2].isascii() and full[i : i + 2].isprintable())
+    reply = client(base).completions.create(model=NAME, prompt="abc", max_tokens=30, stop=[stop])
+    assert reply.choices[0].text == full[: full.find(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = client(base).completions.create(model=NAME, prompt="abc", max_tokens=30, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == full[: full.find(stop)]
+
+
+def test_sampling_is_honoured_and_seeded(server):
+    base = server[0]
+    c = client(base)
+    runs = [c.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, temperature=1.0, seed=3)
+            .choices[0].message.content for _ in range(2)]
+    greedy = c.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20).choices[0].message.content
+    assert runs[0] == runs[1] and runs[0] != greedy
+
+
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "UTF-8"),
+        (json.dumps({"model": "gpt-9", "messages": MESSAGES}).encode(), 404, "does not exist"),
+        (json.dumps({"messages": []}).encode(), 400, "non-empty"),
+        (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "role"),
+        (json.dumps({"messages": MESSAGES, "max_tokens": -5}).encode(), 400, "max_tokens"),
+        (json.dumps({"messages": MESSAGES, "max_tokens": 10**12}).encode(), 400, "max_tokens"),
+        (json.dumps({"messages": MESSAGES, "temperature": "hot"}).encode(), 400, "temperature"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * 2100}], "max_tokens": 8}).encode(), 400,
+         "context limit"),
+        (b"[1, 2]", 400, "JSON object"),
+    ],
+)
+def test_bad_input_gets_openai_style_4xx(server, body, status, words):
+    base = server[0]
+    r = httpx.post(base + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+    assert httpx.get(base + "/health").status_code == 200  # still serving
+
+
+def test_disconnect_mid_stream_stops_generation_and_frees_the_server(server):
+    base, model, tokenizer, draft = server
+    cancelled = httpx.get(base + "/health").json()["cancelled"]
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 1800, "stream": True}  # many seconds of work
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
+        first = next(r.iter_lines())
+        assert first.startswith("data: ")
+    # the client is gone after one event: its generation stops and the next request runs
+    tic = time.perf_counter()
+    reply = client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8)
+    assert reply.choices[0].message.content == expected_chat(model, tokenizer, draft, MESSAGES, 8).text
+    assert time.perf_counter() - tic < 30
+    assert httpx.get(base + "/health").json()["cancelled"] == cancelled + 1
+
+
+def test_concurrent_clients_all_get_generate_text(server):
+    base, model, tokenizer, draft = server
+    conversations = [[{"role": "user", "content": f"Question number {i}"}] for i in range(4)]
+    expected = [expected_chat(model, tokenizer, draft, m, 16).text for m in conversations]
+
+    def ask(messages):
+        return client(base).chat.completions.create(model=NAME, messages=messages, max_tokens=16).choices[0].message.content
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, conversations, timeout=120))
+    assert answers == expected
