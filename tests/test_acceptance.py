@@ -1,9 +1,7 @@
 """Every acceptance length commits and rolls back right (replayed drafts with planted mistakes)."""
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from tiny_models import VOCAB_SIZE, load_tiny, make_tiny_target
+from tiny_models import VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import generate
 from mlx_dflash.replay import ReplayProposer
@@ -13,11 +11,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
-    model, tokenizer = load_tiny(make_tiny_target(tiny_dir / "accept-qwen3", "qwen3"))
-    tokenizer.eos_token_ids = set()
-    prompt = tokenizer.encode("The quick brown fox")
-    reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=200)]
-    return model, tokenizer, prompt, reference
+    return tiny_pair(tiny_dir / "accept-qwen3", "qwen3", "The quick brown fox", 200)
 
 
 @pytest.mark.parametrize("correct", list(range(BLOCK - 1)) + [None])

@@ -2,18 +2,12 @@
 
 import json
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from tiny_models import MASK_ID, load_tiny
+from tiny_models import MASK_ID, greedy_reference, load_tiny
 
 from mlx_dflash import create_random_draft, generate
 
 MAX_TOKENS = 72
-
-
-def mlx_lm_greedy(model, prompt, max_tokens):
-    return [tok for tok, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 16])
@@ -21,7 +15,7 @@ def test_dflash_equals_mlx_lm_greedy(tiny_target_path, block_size):
     model, tokenizer = load_tiny(tiny_target_path)
     tokenizer.eos_token_ids = set()  # random weights: run the full length
     prompt = tokenizer.encode("def fib(n):\n    return")
-    expected = mlx_lm_greedy(model, prompt, MAX_TOKENS)
+    expected = greedy_reference(model, prompt, MAX_TOKENS)
     config = json.loads((tiny_target_path / "config.json").read_text())
     draft = create_random_draft(config, num_layers=2, block_size=16, mask_token_id=MASK_ID)
     result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, block_size=block_size)

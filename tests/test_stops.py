@@ -1,9 +1,7 @@
 """EOS and stop strings inside an accepted block end the output at the right token."""
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from tiny_models import VOCAB_SIZE, load_tiny, make_tiny_target
+from tiny_models import VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import generate, stream_generate
 from mlx_dflash.replay import ReplayProposer
@@ -11,11 +9,7 @@ from mlx_dflash.replay import ReplayProposer
 
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
-    model, tokenizer = load_tiny(make_tiny_target(tiny_dir / "stops-llama", "llama"))
-    tokenizer.eos_token_ids = set()
-    prompt = tokenizer.encode("Once upon a time")
-    reference = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=120)]
-    return model, tokenizer, prompt, reference
+    return tiny_pair(tiny_dir / "stops-llama", "llama", "Once upon a time", 120)
 
 
 def ascii_stop(text: str, start: int, length: int = 2) -> str:

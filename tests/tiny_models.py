@@ -72,3 +72,18 @@ def make_tiny_target(path: Path, family: str, tie: bool = True, seed: int = 0, *
 
 def load_tiny(path: Path):
     return load(str(path))
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy tokens: what DFlash must reproduce."""
+    from mlx_lm.generate import generate_step
+
+    return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def tiny_pair(path: Path, family: str, prompt_text: str, reference_tokens: int):
+    """(model, tokenizer with EOS off, prompt ids, greedy reference) for a fresh tiny target."""
+    model, tokenizer = load_tiny(make_tiny_target(path, family))
+    tokenizer.eos_token_ids = set()
+    prompt = tokenizer.encode(prompt_text)
+    return model, tokenizer, prompt, greedy_reference(model, prompt, reference_tokens)

@@ -170,10 +170,7 @@ def plot(summary: dict, out_dir: Path) -> list[Path]:
     ax.set_xlabel("generated tokens")
     ax.set_ylabel("decode tokens/s")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / "tokens_per_sec.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out_dir / "tokens_per_sec.png"))
     dflash = [e for e in summary.values() if "acceptance_histogram" in e and e["method"].startswith("dflash")]
     if dflash:
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -187,11 +184,15 @@ def plot(summary: dict, out_dir: Path) -> list[Path]:
         right.set_xlabel("block position k")
         right.set_ylabel("P(draft token k accepted)")
         left.legend()
-        fig.tight_layout()
-        paths.append(out_dir / "acceptance.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(plt, fig, out_dir / "acceptance.png"))
     return paths
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer, block_size: Optional[int]) -> None:
