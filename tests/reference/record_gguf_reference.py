@@ -30,10 +30,14 @@ def main(gguf_file: str, name: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
     cases = []
     for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:  # a base model: the plain prompt (with BOS where the tokenizer adds one)
+            ids = tokenizer.encode(prompt)
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        cases.append({"prompt": prompt, "prompt_ids": ids, "continuation": out[0, len(ids):].tolist()})
+        cases.append({"prompt": prompt, "chat": bool(tokenizer.chat_template), "prompt_ids": ids,
+                      "continuation": out[0, len(ids):].tolist()})
     encodings = {s: tokenizer.encode(s, add_special_tokens=False) for s in TRICKY_STRINGS}
     json.dump({"model": name, "reference": f"transformers {__import__('transformers').__version__}, torch "
                f"{torch.__version__}, float32, greedy", "generations": cases, "encodings": encodings},
