@@ -37,7 +37,7 @@ def chi_square(counts: np.ndarray, expected_probs: np.ndarray) -> tuple[float, i
 
 @pytest.fixture(scope="module")
 def setup(tiny_dir):
-    path = make_tiny_target(tiny_dir / "sampling-qwen3", "qwen3", vocab_size=VOCAB)
+    path = make_tiny_target(tiny_dir / "sampling-qwen3", "qwen3", vocab_size=VOCAB, num_hidden_layers=2)
     model, tokenizer = load_tiny(path)
     config = json.loads((path / "config.json").read_text())
     draft = create_random_draft(config, num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5)
