@@ -84,11 +84,11 @@ def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=Non
 
 
 def run_dflash(model, tokenizer, prompt: list[int], length: int, proposer, block_size: Optional[int],
-               sampling: Optional[SamplingParams] = None) -> tuple:
+               sampling: Optional[SamplingParams] = None, adaptive: bool = False) -> tuple:
     from .engine import stream_generate
 
     stream = stream_generate(model, tokenizer, prompt, proposer, max_tokens=length, block_size=block_size,
-                             sampling=sampling)
+                             sampling=sampling, adaptive=adaptive)
     return _timed(stream, lambda r: r.tokens, lambda r: r.acceptance_length)
 
 
@@ -261,7 +261,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                 if sampling is not None and name.endswith("_match"):
                     sampling = dataclasses.replace(sampling, accept="match")
                 runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer,
-                                                             cfg.block_size, sampling)))
+                                                             cfg.block_size, sampling, name.endswith("_adaptive"))))
     finally:
         tokenizer.eos_token_ids = saved_eos
     block = cfg.block_size or max([getattr(p, "block_size", 16) for p in proposers.values()] + [16])

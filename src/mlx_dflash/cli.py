@@ -22,6 +22,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--verbose", action="store_true", help="print per-cycle acceptance")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="fall back to plain decoding while drafts lose (measured each cycle); same output")
     _add_sampling_flags(p)
     p.set_defaults(func=_run_generate)
 
@@ -124,7 +126,8 @@ def _run_generate(args) -> None:
     acceptance = []
     sampling = _sampling_from_args(args)
     for response in stream_generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
-                                    block_size=args.block_size, stop=args.stop, sampling=sampling):
+                                    block_size=args.block_size, stop=args.stop, sampling=sampling,
+                                    adaptive=args.adaptive):
         print(response.text, end="", flush=True)
         if response.acceptance_length is not None:
             acceptance.append(response.acceptance_length)
@@ -287,7 +290,7 @@ def _run_bench(args) -> None:
     texts = texts[: args.num_prompts]
     prompts = [encode_chat(tokenizer, t) if args.chat else tokenizer.encode(t) for t in texts]
     sampling = _sampling_from_args(args)
-    proposers = {"dflash": draft}
+    proposers = {"dflash": draft, "dflash_adaptive": draft}
     if not sampling.greedy:  # the exact-match scheme of earlier engines, for comparison
         proposers["dflash_match"] = draft
     cfg.sampling = sampling

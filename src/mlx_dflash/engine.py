@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from .draft import DFlashDraft
 from .errors import DFlashError
+from .policy import BlockPolicy
 from .sampling import SamplingParams, _sample, draft_tokens, verify
 from .target import Target, check_compatible
 
@@ -96,10 +97,12 @@ def decode_cycles(
     max_tokens: int,
     block_size: int,
     sampling: Optional[SamplingParams] = None,
+    policy: Optional[BlockPolicy] = None,
 ) -> Iterator[Cycle]:
     """DFlash decoding; yields committed tokens cycle by cycle, at most ``max_tokens``.
 
     ``sampling=None`` is plain greedy; otherwise see ``sampling.py`` (lossless sampling).
+    ``policy`` picks each cycle's block size (up to ``block_size``) from measured speed.
     """
     cache = target.make_cache()
     proposer.start(target)
@@ -137,20 +140,27 @@ def decode_cycles(
         mx.async_eval(tokens, accepted, features)
         return tokens, accepted, features
 
+    def next_block() -> int:
+        return min(policy.choose() if policy else block_size, max_tokens - emitted)
+
     emitted, bonus_id = 1, bonus.item()
     yield Cycle([bonus_id], None)
-    pending = launch(bonus, min(block_size, max_tokens - emitted)) if emitted < max_tokens else None
+    pending = launch(bonus, next_block()) if emitted < max_tokens else None
+    synced = time.perf_counter()
     while pending is not None:
         tokens, accepted, features = pending
         block_len = tokens.size
         a = accepted.item()  # the cycle's single device-to-host sync (tokens are evaluated with it)
+        if policy:
+            policy.record(block_len, a + 1, time.perf_counter() - synced)
+            synced = time.perf_counter()
         committed = tokens[: a + 1].tolist()  # a accepted drafts, then the bonus token
         target.rollback(cache, block_len - (a + 1))  # drop rejected drafts (the bonus is not cached)
         proposer.add_context(features[:, : a + 1])
         emitted += a + 1
         history += [bonus_id] + committed[:-1]  # history: every token before the next block's first
         bonus, bonus_id = tokens[a : a + 1], committed[-1]
-        pending = launch(bonus, min(block_size, max_tokens - emitted)) if emitted < max_tokens else None
+        pending = launch(bonus, next_block()) if emitted < max_tokens else None
         yield Cycle(committed, a + 1, block_len)
 
 
@@ -221,12 +231,15 @@ def stream_generate(
     block_size: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
     sampling: Optional[SamplingParams] = None,
+    adaptive: bool = False,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
     Output ends at the first EOS (not emitted), at ``max_tokens`` tokens, or at the
     first stop string (text cut before it; tokens end with the one completing it).
     ``sampling``: temperature, top-p/k, min-p, logits processors and seed (default greedy).
+    ``adaptive``: choose each cycle between plain decoding and full blocks by measured
+    speed (``policy.py``); the output is the same either way.
     """
     target, proposer = make_proposer(model, draft)
     block_size = block_size or proposer.block_size
@@ -247,7 +260,9 @@ def stream_generate(
     prefill_s = 0.0
     if sampling is not None and sampling.greedy and not sampling.logits_processors:
         sampling = None  # plain greedy: the bit-exact path
-    for n_cycle, cycle in enumerate(decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling)):
+    policy = BlockPolicy(block_size) if adaptive else None
+    cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy)
+    for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:
             prefill_s = time.perf_counter() - tic
             tic = time.perf_counter()

@@ -47,6 +47,7 @@ class Served:
     name: str
     context_limit: int
     max_tokens_limit: int
+    adaptive: bool = True  # plain decoding while drafts lose (same output either way)
 
 
 @dataclass
@@ -152,7 +153,8 @@ def create_app(served: Served) -> FastAPI:
 
     def stream(job: Job):
         return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
-                               max_tokens=job.max_tokens, stop=job.stop, sampling=job.sampling)
+                               max_tokens=job.max_tokens, stop=job.stop, sampling=job.sampling,
+                               adaptive=served.adaptive)
 
     async def run(job: Job, request: Request) -> AsyncIterator:
         """Responses of one generation; stops when the client goes away."""
