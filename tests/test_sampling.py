@@ -48,6 +48,8 @@ def exact_marginals(model, prompt, params):
     """P(t2) and P(t3) under the target's own sampling, by enumerating t1 and t2."""
     def probs(prefixes):
         logits = model(mx.array(prefixes))[:, -1]
+        logits = mx.concatenate([params.process_row(logits[i : i + 1], mx.array(prefix))
+                                 for i, prefix in enumerate(prefixes)])  # processors see each prefix
         return np.array(params.probabilities(logits))
 
     p1 = probs([prompt])[0]
@@ -70,8 +72,12 @@ def sampled_marginals(model, draft, prompt, params):
     return counts
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_k=10, top_p=0.95)],
-                         ids=["temp1", "temp0.7-topk-topp"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_k=10, top_p=0.95),
+     SamplingParams(temp=1.0, logits_processors=make_logits_processors(repetition_penalty=2.0))],
+    ids=["temp1", "temp0.7-topk-topp", "temp1-repetition-penalty"],
+)
 def test_emitted_distribution_is_the_targets(setup, params):
     model, _, draft, prompt = setup
     p2, p3 = exact_marginals(model, prompt, params)
