@@ -38,3 +38,17 @@ def test_adaptive_output_is_unchanged(tiny_dir):
         proposer = ReplayProposer(prompt + reference, 16, schedule, VOCAB_SIZE)
         result = generate(model, tokenizer, prompt, proposer, max_tokens=100, adaptive=True)
         assert result.tokens == reference[:100]
+
+
+def test_short_generations_with_cut_blocks(tiny_dir):
+    """Blocks cut short by max_tokens (never a full one) must not confuse the policy."""
+    policy = BlockPolicy(16)
+    for block in (11, 3, 1, 1, 1, 1, 1):
+        assert policy.choose() in (1, 16)
+        policy.record(block, 1, 0.01)
+    assert policy.choose() == 16  # no full block measured yet: measure one
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-short", "qwen3", "short", 40)
+    for max_tokens in range(1, 20):
+        proposer = ReplayProposer(prompt + reference, 16, [2], VOCAB_SIZE)
+        result = generate(model, tokenizer, prompt, proposer, max_tokens=max_tokens, adaptive=True)
+        assert result.tokens == reference[:max_tokens]

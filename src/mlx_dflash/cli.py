@@ -109,19 +109,26 @@ def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def _run_generate(args) -> None:
+def _load_pair(model_arg, draft_arg):
+    """(model, tokenizer, draft, name): the target (default: the embedded model) and its draft
+    (default: the shipped one), the draft in the target's float dtype, checked against it."""
     from .draft import load_draft
     from .models import DEFAULT_MODEL, shipped_draft
-    from .target import float_dtype
+    from .target import check_compatible, float_dtype, load_target
+
+    name = model_arg or DEFAULT_MODEL
+    model, tokenizer = load_target(name)
+    draft = load_draft(draft_arg or shipped_draft(name), dtype=float_dtype(model))
+    check_compatible(draft, model)
+    return model, tokenizer, draft, name
+
+
+def _run_generate(args) -> None:
     from .engine import generate_text_stats, stream_generate
-    from .target import check_compatible, load_target
 
     if args.max_tokens < 1:
         raise DFlashError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    model_name = args.model or DEFAULT_MODEL
-    model, tokenizer = load_target(model_name)
-    draft = load_draft(args.draft or shipped_draft(model_name), dtype=float_dtype(model))
-    check_compatible(draft, model)
+    model, tokenizer, draft, _ = _load_pair(args.model, args.draft)
     prompt = _format_prompt(tokenizer, args.prompt, args.chat, args.system)
     acceptance = []
     sampling = _sampling_from_args(args)
@@ -277,14 +284,9 @@ def _run_bench(args) -> None:
         for c in costs:
             print(json.dumps(c))
         return
-    from .draft import load_draft
-    from .models import DEFAULT_MODEL, shipped_draft
-    from .target import check_compatible, float_dtype, load_target
+    from .target import load_target
 
-    model_name = args.model or DEFAULT_MODEL
-    model, tokenizer = load_target(model_name)
-    draft = load_draft(args.draft or shipped_draft(model_name), dtype=float_dtype(model))
-    check_compatible(draft, model)
+    model, tokenizer, draft, _ = _load_pair(args.model, args.draft)
     ar_draft = load_target(args.ar_draft)[0] if args.ar_draft else None
     texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
     texts = texts[: args.num_prompts]
@@ -313,17 +315,11 @@ def _add_serve(sub) -> None:
 def _run_serve(args) -> None:
     import uvicorn
 
-    from .draft import load_draft
-    from .models import DEFAULT_MODEL, shipped_draft
     from .server import Served, create_app
-    from .target import check_compatible, float_dtype, load_target
 
     if not 0 < args.port < 65536:
         raise DFlashError(f"--port must be in 1..65535, got {args.port}")
-    model_name = args.model or DEFAULT_MODEL
-    model, tokenizer = load_target(model_name)
-    draft = load_draft(args.draft or shipped_draft(model_name), dtype=float_dtype(model))
-    check_compatible(draft, model)
+    model, tokenizer, draft, model_name = _load_pair(args.model, args.draft)
     context = args.context_limit or getattr(model.args, "max_position_embeddings", None) or 4096
     if context < 2 or args.max_tokens_limit < 1:
         raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")

@@ -37,8 +37,10 @@ class BlockPolicy:
     def choose(self) -> int:
         if self.max_block == 1:
             return 1
-        if self.cycles < WARMUP_CYCLES or 1 not in self.seconds:
-            return self.max_block if self.cycles < WARMUP_CYCLES else 1
+        if self.cycles < WARMUP_CYCLES or self.max_block not in self.seconds:
+            return self.max_block
+        if 1 not in self.seconds:
+            return 1
         if self.rate(self.max_block) >= self.rate(1):
             return self.max_block
         self.since_probe += 1
@@ -48,12 +50,13 @@ class BlockPolicy:
         return 1
 
     def record(self, block: int, acceptance: int, seconds: float) -> None:
+        """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall time."""
         self.cycles += 1
+        old = self.seconds.get(block)
+        self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if block == self.max_block:
             self.histogram[acceptance] += 1
             if 1 in self.seconds and self.rate(self.max_block) < self.rate(1):
                 self.probe_every = min(2 * self.probe_every, PROBE_MAX)
             else:
                 self.probe_every = PROBE_START
-        old = self.seconds.get(block)
-        self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
