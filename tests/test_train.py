@@ -81,6 +81,12 @@ def test_data_is_resumable(tiny_data, tiny_dir):
     model, tokenizer = load_tiny(path)
     build_dataset(model, tokenizer, stdlib_prompts()[:12], data, max_tokens=48)  # nothing left to do
     assert len(read_sequences(data)) == 12
+    # an interrupted run leaves half a line: resuming drops it and regenerates that prompt
+    file = data / "sequences.jsonl"
+    lines = file.read_text().splitlines(keepends=True)
+    file.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+    build_dataset(model, tokenizer, stdlib_prompts()[:12], data, max_tokens=48)
+    assert sorted(r["id"] for r in read_sequences(data)) == list(range(12))
 
 
 def test_tiny_training_run_loss_falls_and_draft_reloads(tiny_data, tmp_path):

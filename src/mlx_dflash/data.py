@@ -127,7 +127,11 @@ def build_dataset(model, tokenizer, prompts: list[str], out_dir: str | Path, max
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SEQUENCES_FILE
-    done = {r["id"] for r in read_sequences(out)} if path.is_file() else set()
+    done: set[int] = set()
+    if path.is_file():  # resume: keep the complete records, drop a line cut short by an interruption
+        records = read_sequences(out)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        done = {r["id"] for r in records}
     todo = [(i, p) for i, p in enumerate(prompts) if i not in done]
     with open(path, "a") as sink, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                          desc="responses", unit="prompt") as bar:
