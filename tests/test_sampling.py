@@ -91,7 +91,7 @@ def test_the_check_catches_a_wrong_acceptance_rule(setup, monkeypatch):
     """Accepting with min(1, q/p) instead of min(1, p/q) must fail the same test."""
     model, _, draft, prompt = setup
 
-    def inverted(p, q, drafted):
+    def inverted(p, q, drafted):  # noqa: the rule under test, deliberately wrong
         n = drafted.shape[0]
         p_d, q_d = p[mx.arange(n), drafted], q[mx.arange(n), drafted]
         keep = mx.random.uniform(shape=(n,)) * p_d < q_d

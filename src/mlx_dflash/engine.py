@@ -20,7 +20,7 @@ import mlx.nn as nn
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .policy import BlockPolicy
-from .sampling import SamplingParams, _sample, draft_tokens, verify
+from .sampling import SamplingParams, draft_tokens, first_token, matching_prefix, verify
 from .target import Target, check_compatible
 
 PREFILL_STEP = 2048
@@ -109,12 +109,7 @@ def decode_cycles(
     if sampling is not None and sampling.seed is not None:
         mx.random.seed(sampling.seed)
     history = prompt.tolist()  # committed tokens before the current block, for logits processors
-    last_logits = _prefill(target, proposer, prompt, cache)[None]
-    if sampling is None or sampling.greedy:
-        processed = sampling.process_row(last_logits, prompt) if sampling else last_logits
-        bonus = mx.argmax(processed[0], keepdims=True).astype(mx.uint32)  # [1]
-    else:
-        bonus = _sample(sampling.probabilities(sampling.process_row(last_logits, prompt))).astype(mx.uint32)
+    bonus = first_token(sampling, _prefill(target, proposer, prompt, cache)[None], prompt)  # [1]
 
     def launch(first: mx.array, block_len: int):
         """Draft and verify one block (lazily); queue it on the device."""
@@ -134,7 +129,7 @@ def decode_cycles(
         logits, features = target(block[None], cache)
         if sampling is None:
             tokens = mx.argmax(logits[0], axis=-1).astype(mx.uint32)  # the target's own choice after each slot
-            accepted = mx.cumprod((drafted == tokens[:-1]).astype(mx.int32)).sum(keepdims=True)
+            accepted = matching_prefix(drafted, tokens)
         else:
             tokens, accepted = verify(sampling, logits[0], before, block, drafted, q)
         mx.async_eval(tokens, accepted, features)

@@ -78,8 +78,22 @@ class SamplingParams:
         return mx.softmax(logprobs / self.temp, axis=-1)
 
 
-def _sample(probs: mx.array) -> mx.array:
-    return mx.random.categorical(mx.log(probs))
+def sample(probs: mx.array) -> mx.array:
+    return mx.random.categorical(mx.log(probs)).astype(mx.uint32)
+
+
+def matching_prefix(drafted: mx.array, choice: mx.array) -> mx.array:
+    """a = how many drafted tokens equal the target's choice at the slot before them ([1])."""
+    return mx.cumprod((drafted == choice[:-1]).astype(mx.int32)).sum(keepdims=True)
+
+
+def first_token(params: Optional[SamplingParams], logits: mx.array, prompt: mx.array) -> mx.array:
+    """The token after the prompt ([1]) from the prefill's last logits [1, V]."""
+    if params is not None:
+        logits = params.process_row(logits, prompt)
+    if params is None or params.greedy:
+        return mx.argmax(logits[0], keepdims=True).astype(mx.uint32)
+    return sample(params.probabilities(logits))
 
 
 def draft_tokens(params: SamplingParams, logits: mx.array, history: mx.array, first: mx.array) -> tuple:
@@ -89,12 +103,12 @@ def draft_tokens(params: SamplingParams, logits: mx.array, history: mx.array, fi
         return mx.argmax(processed, axis=-1).astype(mx.uint32), None
     if not params.logits_processors:  # every position at once
         q = params.probabilities(logits)
-        return _sample(q).astype(mx.uint32), q
+        return sample(q), q
     drafted, qs = [], []  # processors see the drafted prefix: sample position by position
     for j in range(logits.shape[0]):
         q = params.probabilities(params.process_row(logits[j : j + 1], mx.concatenate([history, first, *drafted])))
         qs.append(q)
-        drafted.append(_sample(q).astype(mx.uint32))
+        drafted.append(sample(q))
     return mx.concatenate(drafted), mx.concatenate(qs, axis=0)
 
 
@@ -104,11 +118,11 @@ def verify(params: SamplingParams, logits: mx.array, history: mx.array, block: m
     processed = params.process(logits, history, block)
     if params.greedy:
         choice = mx.argmax(processed, axis=-1).astype(mx.uint32)
-        return choice, mx.cumprod((drafted == choice[:-1]).astype(mx.int32)).sum(keepdims=True)
+        return choice, matching_prefix(drafted, choice)
     p = params.probabilities(processed)
     if q is None:  # exact match against a sample of the target
-        choice = _sample(p).astype(mx.uint32)
-        return choice, mx.cumprod((drafted == choice[:-1]).astype(mx.int32)).sum(keepdims=True)
+        choice = sample(p)
+        return choice, matching_prefix(drafted, choice)
     return speculative_accept(p, q, drafted)
 
 
@@ -128,6 +142,6 @@ def speculative_accept(p: mx.array, q: mx.array, drafted: mx.array) -> tuple[mx.
     residual = mx.maximum(p[:n] - q, 0.0)
     mass = residual.sum(axis=-1, keepdims=True)
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:n])  # p == q: never rejected
-    bonus_if = _sample(mx.concatenate([residual, p[n:]], axis=0)).astype(mx.uint32)  # [bs]: the bonus if a == j
+    bonus_if = sample(mx.concatenate([residual, p[n:]], axis=0))  # [bs]: the bonus if a == j
     tokens = mx.where(mx.arange(n + 1) == a, bonus_if, mx.concatenate([drafted, bonus_if[:1]]))
     return tokens, a
