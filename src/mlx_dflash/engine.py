@@ -77,7 +77,6 @@ class Cycle:
 
     tokens: list[int]
     acceptance_length: Optional[int]  # a + 1 for a verify cycle; None for the prefill token
-    block_length: int = 1
 
 
 def _prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[Any]) -> mx.array:
@@ -156,7 +155,7 @@ def decode_cycles(
         history += [bonus_id] + committed[:-1]  # history: every token before the next block's first
         bonus, bonus_id = tokens[a : a + 1], committed[-1]
         pending = launch(bonus, next_block()) if emitted < max_tokens else None
-        yield Cycle(committed, a + 1, block_len)
+        yield Cycle(committed, a + 1)
 
 
 # ---------------------------------------------------------------------------

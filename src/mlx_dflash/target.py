@@ -79,14 +79,6 @@ class Target:
         return self.model.args
 
     @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.args.hidden_size
-
-    @property
     def vocab_size(self) -> int:
         return self.args.vocab_size
 
