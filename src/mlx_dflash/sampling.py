@@ -99,7 +99,9 @@ def first_token(params: Optional[SamplingParams], logits: mx.array, prompt: mx.a
 def draft_tokens(params: SamplingParams, logits: mx.array, history: mx.array, first: mx.array) -> tuple:
     """Drafted tokens [n] and their distributions q [n, V] (None when drafted greedily)."""
     if params.greedy or params.accept == "match":
-        processed = params.process(logits, history, first)  # drafts of "match" are greedy
+        # greedy drafts see history + first only (not each other): that can only change what is
+        # proposed, never what is emitted, since verification processes the real block
+        processed = params.process(logits, history, first)
         return mx.argmax(processed, axis=-1).astype(mx.uint32), None
     if not params.logits_processors:  # every position at once
         q = params.probabilities(logits)

@@ -11,6 +11,7 @@ need more than trimming attention caches plug in through ``SUPPORTED_FAMILIES``.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -167,8 +168,6 @@ def check_compatible(draft: DFlashDraft, target: nn.Module) -> None:
 
 def load_target(path_or_repo: str):
     """Load an mlx-lm model and tokenizer (local folder or Hugging Face id), with one-line errors."""
-    from pathlib import Path
-
     from mlx_lm.utils import load
 
     from .models import resolve
