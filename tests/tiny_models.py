@@ -36,6 +36,26 @@ FAMILIES = {
     "qwen2": {"model_type": "qwen2"},
     "llama": {"model_type": "llama"},
 }
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "norm_topk_prob": True}
+_GATED_DELTA = {"linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 3,
+                "head_dim": 16}
+# Families beyond dense attention (tests/test_families.py); sliding windows of 8 so that
+# rotating caches wrap many times within a test.
+MORE_FAMILIES = {
+    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 16, **_MOE},
+    "gemma3_text": {"model_type": "gemma3_text", "head_dim": 16, "query_pre_attn_scalar": 16,
+                    "sliding_window": 8, "sliding_window_pattern": 3},
+    "gpt_oss": {"model_type": "gpt_oss", "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 8},
+    "qwen3_5": {"model_type": "qwen3_5", **_GATED_DELTA,
+                "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    "qwen3_5_moe": {"model_type": "qwen3_5_moe", **_GATED_DELTA, **_MOE, "shared_expert_intermediate_size": 32,
+                    "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    "qwen3_next": {"model_type": "qwen3_next", **_GATED_DELTA, **_MOE, "shared_expert_intermediate_size": 32,
+                   "partial_rotary_factor": 0.5},
+}
 
 
 def write_byte_tokenizer(path: Path) -> None:
@@ -57,12 +77,14 @@ def make_tiny_target(path: Path, family: str, tie: bool = True, seed: int = 0, *
     """Write a random float32 model folder that ``mlx_lm.load`` reads."""
     import importlib
 
-    config = {**BASE, **FAMILIES[family], "tie_word_embeddings": tie, **overrides}
+    config = {**BASE, **{**FAMILIES, **MORE_FAMILIES}[family], "tie_word_embeddings": tie, **overrides}
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
-    # Sharper random weights give confident, varied greedy outputs instead of near-ties.
-    params = {k: (v * 3 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())}
+    # Sharper random weights give confident, varied greedy outputs instead of near-ties;
+    # random attention sinks (gpt-oss) instead of zeros.
+    params = {k: (v * 3 if v.ndim == 2 else mx.random.normal(v.shape) if k.endswith("sinks") else v)
+              for k, v in tree_flatten(model.parameters())}
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), params)
     (path / "config.json").write_text(json.dumps(config))
@@ -81,9 +103,9 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
     return [token for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
 
 
-def tiny_pair(path: Path, family: str, prompt_text: str, reference_tokens: int):
+def tiny_pair(path: Path, family: str, prompt_text: str, reference_tokens: int, **overrides):
     """(model, tokenizer with EOS off, prompt ids, greedy reference) for a fresh tiny target."""
-    model, tokenizer = load_tiny(make_tiny_target(path, family))
+    model, tokenizer = load_tiny(make_tiny_target(path, family, **overrides))
     tokenizer.eos_token_ids = set()
     prompt = tokenizer.encode(prompt_text)
     return model, tokenizer, prompt, greedy_reference(model, prompt, reference_tokens)

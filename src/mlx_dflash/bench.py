@@ -205,13 +205,14 @@ def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer,
     from .draft import DFlashDraft
     from .engine import DFlashProposer
     from .replay import ReplayProposer
+    from .target import text_args
 
     if _is_factory(proposer):  # replay factory: build one to reach its cost model
         proposer = proposer(list(prompt) + reference)
     bs = block_size or proposer.block_size
     real = DFlashProposer(proposer) if isinstance(proposer, DFlashDraft) else getattr(proposer, "cost_of", None)
     schedule = list(range(bs - 1)) + [None]
-    vocab = model.args.vocab_size
+    vocab = text_args(model).vocab_size
     replay = ReplayProposer(list(prompt) + reference, bs, schedule, vocab, cost_of=real)
     run_dflash(model, tokenizer, prompt, min(len(reference), 1 + bs * (bs + 1) // 2 + 2 * bs), replay, bs)
 

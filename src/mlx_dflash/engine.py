@@ -233,7 +233,9 @@ def stream_generate(
     first stop string (text cut before it; tokens end with the one completing it).
     ``sampling``: temperature, top-p/k, min-p, logits processors and seed (default greedy).
     ``adaptive``: choose each cycle between plain decoding and full blocks by measured
-    speed (``policy.py``); the output is the same either way.
+    speed (``policy.py``); the output is the same either way. Not with a seeded
+    sampler: timing-dependent blocks would consume random draws differently, and the
+    same seed must give the same text.
     """
     target, proposer = make_proposer(model, draft)
     block_size = block_size or proposer.block_size
@@ -254,7 +256,8 @@ def stream_generate(
     prefill_s = 0.0
     if sampling is not None and sampling.greedy and not sampling.logits_processors:
         sampling = None  # plain greedy: the bit-exact path
-    policy = BlockPolicy(block_size) if adaptive else None
+    seeded = sampling is not None and sampling.seed is not None
+    policy = BlockPolicy(block_size) if adaptive and not seeded else None
     cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:

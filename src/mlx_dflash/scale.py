@@ -73,12 +73,12 @@ def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, it
     proposer = DFlashProposer(draft)
     proposer.start(target)
     cache = target.make_cache()
-    prompt = mx.random.randint(0, model.args.vocab_size, (1, context_len)).astype(mx.uint32)
+    prompt = mx.random.randint(0, target.vocab_size, (1, context_len)).astype(mx.uint32)
     _, features = target(prompt, cache)
     proposer.add_context(features)
     mx.eval([c.state for c in cache])
     first = mx.array([1], dtype=mx.uint32)
-    block = mx.random.randint(0, model.args.vocab_size, (1, block_size)).astype(mx.uint32)
+    block = mx.random.randint(0, target.vocab_size, (1, block_size)).astype(mx.uint32)
 
     def timed(fn) -> float:
         fn()  # warm-up

@@ -5,8 +5,9 @@ ONE model instance are wrapped (``TappedLayer``) so that the model's own
 ``__call__`` -- masks, sliding windows, softcapping and all -- runs unchanged
 while the wrapped layers record their outputs. No mlx-lm class is patched.
 
-Rollback after a partially accepted block is family specific; families that
-need more than trimming attention caches plug in through ``SUPPORTED_FAMILIES``.
+Rollback after a partially accepted block follows the cache type of each
+layer (``rollback.py``); hybrid families (Gated DeltaNet) also record the
+inputs of their recurrent layers so that the accepted tokens can be replayed.
 """
 
 from __future__ import annotations
@@ -20,32 +21,53 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .draft import DFlashDraft
 from .errors import DFlashError
+from .rollback import (
+    RECURRENT_MIXERS,
+    is_recurrent,
+    rewind_recurrent,
+    snapshot_recurrent,
+    trim_attention_cache,
+    unsupported_cache,
+)
 
-# model_type -> how to roll back its cache. Dense attention only for now.
-SUPPORTED_FAMILIES = {"qwen3": "trim", "qwen2": "trim", "llama": "trim"}
+# Families tested end to end against mlx-lm greedy (tests/test_families.py). Others fail
+# at load time: a family we have not checked could hide a cache we cannot roll back.
+SUPPORTED_FAMILIES = {
+    "llama", "qwen2", "qwen3",  # dense attention
+    "qwen3_moe",  # mixture of experts
+    "gemma3_text", "gpt_oss",  # sliding-window layers (rotating caches), gpt-oss attention sinks
+    "qwen3_5", "qwen3_5_moe", "qwen3_next",  # hybrid: Gated DeltaNet + attention
+}
 
 
 class _Recorder:
-    """Where tapped layers put their outputs; only records while ``active``."""
+    """Where tapped layers put their inputs and outputs; only records while ``active``."""
 
     def __init__(self) -> None:
         self.active = False
+        self.inputs: dict[int, mx.array] = {}
         self.outputs: dict[int, mx.array] = {}
 
 
 class TappedLayer(nn.Module):
-    """Wraps one decoder layer instance and records its output hidden state."""
+    """Wraps one decoder layer instance; records its output (a draft feature) and/or
+    its input (a recurrent layer's, for rollback)."""
 
-    def __init__(self, layer: nn.Module, index: int, recorder: _Recorder):
+    def __init__(self, layer: nn.Module, index: int, recorder: _Recorder, keep_output: bool, keep_input: bool):
         super().__init__()
         self.layer = layer
         self.index = index
         self.recorder = recorder  # a plain object, so not part of the parameters
+        self.keep_output = keep_output
+        self.keep_input = keep_input
 
-    def __call__(self, *args, **kwargs):
-        out = self.layer(*args, **kwargs)
+    def __call__(self, x, *args, **kwargs):
+        out = self.layer(x, *args, **kwargs)
         if self.recorder.active:
-            self.recorder.outputs[self.index] = out
+            if self.keep_input:
+                self.recorder.inputs[self.index] = x
+            if self.keep_output:
+                self.recorder.outputs[self.index] = out
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -60,6 +82,11 @@ def _model_type(model: nn.Module) -> str:
     return getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")
 
 
+def text_args(model: nn.Module):
+    """The language model's arguments (a VLM wrapper such as Qwen3.5 keeps them inside)."""
+    return getattr(model, "language_model", model).args
+
+
 class Target:
     """An mlx-lm model with taps on ``layer_ids``; ``__call__`` returns (logits, features)."""
 
@@ -69,15 +96,26 @@ class Target:
             supported = ", ".join(sorted(SUPPORTED_FAMILIES))
             raise DFlashError(f"target family {family!r} is not supported yet (supported: {supported})")
         self.model = model
+        self.text_model = getattr(model, "language_model", model)  # VLM wrappers keep the LM inside
         self.family = family
         self.layer_ids = list(layer_ids)
+        caches = make_prompt_cache(model)
+        odd = sorted({type(c).__name__ for c in caches if unsupported_cache(c)})
+        if odd:
+            raise DFlashError(f"{family} uses caches mlx-dflash cannot roll back: {', '.join(odd)}")
+        self.recurrent_ids = [i for i, c in enumerate(caches) if is_recurrent(c)]
+        self.mixer = RECURRENT_MIXERS.get(family)
+        if self.recurrent_ids and self.mixer is None:
+            raise DFlashError(f"{family} has recurrent layers but no known way to replay them")
         self.recorder = _Recorder()
+        self._snapshots: dict[int, list] = {}
+        self._block_inputs: dict[int, mx.array] = {}
         self._install_taps()
 
     # -- structure -------------------------------------------------------
     @property
     def args(self):
-        return self.model.args
+        return text_args(self.model)
 
     @property
     def vocab_size(self) -> int:
@@ -90,17 +128,19 @@ class Target:
 
     def _install_taps(self) -> None:
         layers = self._layer_list()
-        tapped = {i: layer for i, layer in enumerate(layers) if isinstance(layer, TappedLayer)}
-        if tapped and set(tapped) == set(self.layer_ids):  # same taps already in place: share them
-            self.recorder = next(iter(tapped.values())).recorder
-            return
-        for i, layer in tapped.items():  # different taps of an earlier Target: undo them
-            layers[i] = layer.layer
         for i in self.layer_ids:
             if not 0 <= i < len(layers):
                 raise DFlashError(f"target layer id {i} is out of range (target has {len(layers)} layers)")
-            layers[i] = TappedLayer(layers[i], i, self.recorder)
-        if not all(isinstance(self.model.layers[i], TappedLayer) for i in self.layer_ids):
+        wanted = {i: (i in self.layer_ids, i in self.recurrent_ids) for i in {*self.layer_ids, *self.recurrent_ids}}
+        tapped = {i: layer for i, layer in enumerate(layers) if isinstance(layer, TappedLayer)}
+        if tapped and {i: (t.keep_output, t.keep_input) for i, t in tapped.items()} == wanted:
+            self.recorder = next(iter(tapped.values())).recorder  # same taps already in place: share them
+            return
+        for i, layer in tapped.items():  # different taps of an earlier Target: undo them
+            layers[i] = layer.layer
+        for i, (keep_output, keep_input) in wanted.items():
+            layers[i] = TappedLayer(layers[i], i, self.recorder, keep_output, keep_input)
+        if not all(isinstance(self.model.layers[i], TappedLayer) for i in wanted):
             raise DFlashError(f"cannot tap layers of a {self.family} model: its layer list is not mutable")
 
     # -- pieces the draft borrows -----------------------------------------
@@ -109,9 +149,9 @@ class Target:
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits from final-normed hidden states (tied or untied output head)."""
-        if getattr(self.args, "tie_word_embeddings", False) or not hasattr(self.model, "lm_head"):
+        if getattr(self.args, "tie_word_embeddings", False) or not hasattr(self.text_model, "lm_head"):
             return self.model.model.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
+        return self.text_model.lm_head(hidden)
 
     # -- forward and cache ----------------------------------------------
     def make_cache(self) -> list[Any]:
@@ -119,37 +159,45 @@ class Target:
 
     def __call__(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order)."""
+        if cache is not None:
+            self._snapshots = {i: snapshot_recurrent(cache[i]) for i in self.recurrent_ids}
         self.recorder.active = True
         try:
             logits = self.model(tokens, cache=cache)
             tapped = [self.recorder.outputs[i] for i in self.layer_ids]
             features = mx.concatenate(tapped, axis=-1) if tapped else mx.zeros((*tokens.shape, 0))
+            self._block_inputs = dict(self.recorder.inputs)
         finally:
             self.recorder.active = False
-            self.recorder.outputs = {}
+            self.recorder.outputs, self.recorder.inputs = {}, {}
         return logits, features
 
     def rollback(self, cache: list[Any], num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` positions (rejected draft tokens) from every layer."""
+        """Drop the last ``num_tokens`` positions (rejected draft tokens) of the latest call."""
         if num_tokens == 0:
             return
-        for layer_cache in cache:
-            trimmed = layer_cache.trim(num_tokens)
-            if trimmed != num_tokens:
-                raise RuntimeError(f"cache trimmed {trimmed} of {num_tokens} tokens")
+        layers = self._layer_list()
+        for i, layer_cache in enumerate(cache):
+            if i in self._snapshots:
+                inputs = self._block_inputs[i]
+                rewind_recurrent(layer_cache, self._snapshots[i], self.mixer, layers[i].layer, inputs,
+                                 keep=inputs.shape[1] - num_tokens)
+            else:
+                trim_attention_cache(layer_cache, num_tokens)
+        self._snapshots = {}  # a second rollback of the same call would replay stale inputs
 
 
 def float_dtype(model: nn.Module):
     """The dtype the draft should run in next to ``model``: its embedding's float dtype
-    (float32 on the CPU, where bfloat16 bypasses BLAS); None for a quantized embedding."""
+    (float32 on the CPU, where bfloat16 bypasses BLAS); a quantized one's scale dtype."""
     embed = model.model.embed_tokens
-    return None if hasattr(embed, "scales") else embed.weight.dtype
+    return embed.scales.dtype if hasattr(embed, "scales") else embed.weight.dtype
 
 
 def check_compatible(draft: DFlashDraft, target: nn.Module) -> None:
     """Fail with one clear line when a draft was not made for this target."""
     config = draft.config
-    args = target.args
+    args = text_args(target)
     problems = []
     if config.hidden_size != args.hidden_size:
         problems.append(f"hidden size {config.hidden_size} != target's {args.hidden_size}")

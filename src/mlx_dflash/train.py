@@ -29,7 +29,7 @@ from tqdm import tqdm
 from .data import read_sequences
 from .draft import DFlashDraft, create_random_draft, load_draft, save_draft
 from .errors import DFlashError
-from .target import Target
+from .target import Target, text_args
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 PROBE_STEPS = 10  # steps timed before a time budget sets the run's length
@@ -216,9 +216,9 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
         raise DFlashError(f"nothing to resume in {out}")
     else:
         if cfg.mask_token_id is None:
-            cfg.mask_token_id = choose_mask_token(tokenizer, target_model.args.vocab_size)
+            cfg.mask_token_id = choose_mask_token(tokenizer, text_args(target_model).vocab_size)
         draft = create_random_draft(
-            vars(target_model.args), num_layers=cfg.layers, block_size=cfg.block_size,
+            vars(text_args(target_model)), num_layers=cfg.layers, block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
         )
         draft.set_dtype(mx.float32)

@@ -1,0 +1,159 @@
+"""Every supported target family beyond dense attention: DFlash equals mlx-lm greedy, and
+each cache type rolls back to exactly the state of decoding only the accepted tokens."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from tiny_models import MASK_ID, MORE_FAMILIES, VOCAB_SIZE, greedy_reference, load_tiny, make_tiny_target, tiny_pair
+
+from mlx_dflash import create_random_draft, generate
+from mlx_dflash.draft import quantize_draft
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.replay import ReplayProposer
+from mlx_dflash.target import Target
+
+MAX_TOKENS = 64
+# planted mistakes: acceptance lengths 1, 4, 8, 16, 2, 15, ... within one sequence
+SCHEDULE = [0, 3, 7, None, 1, 14, 5]
+
+
+def _config(model) -> dict:
+    return vars(getattr(model, "language_model", model).args)
+
+
+@pytest.fixture(scope="module", params=list(MORE_FAMILIES))
+def family_pair(request, tiny_dir):
+    family = request.param
+    return family, *tiny_pair(tiny_dir / f"family-{family}", family, "def fib(n):\n    return", 3 * MAX_TOKENS)
+
+
+def test_random_draft_equals_greedy(family_pair):
+    family, model, tokenizer, prompt, reference = family_pair
+    draft = create_random_draft(_config(model), num_layers=1, block_size=16, mask_token_id=MASK_ID)
+    result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS)
+    assert result.tokens == reference[:MAX_TOKENS]
+
+
+def test_planted_acceptance_lengths_equal_greedy(family_pair):
+    """Partial acceptance of every kind, long enough for sliding windows (8) to wrap many times."""
+    family, model, tokenizer, prompt, reference = family_pair
+    proposer = ReplayProposer(prompt + reference, 16, SCHEDULE, VOCAB_SIZE)
+    result = generate(model, tokenizer, prompt, proposer, max_tokens=3 * MAX_TOKENS)
+    assert result.tokens == reference
+    assert sorted(set(result.acceptance_lengths)) == [1, 2, 4, 6, 8, 15, 16]
+
+
+def test_llama_block_size_10(tiny_dir):
+    """The published Llama-3.1 draft drafts blocks of 10."""
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "llama-bs10", "llama", "The quick brown fox", 80)
+    draft = create_random_draft(_config(model), num_layers=1, block_size=10, mask_token_id=MASK_ID)
+    assert generate(model, tokenizer, prompt, draft, max_tokens=80).tokens == reference
+    proposer = ReplayProposer(prompt + reference, 10, [2, None, 6, 0], VOCAB_SIZE)
+    result = generate(model, tokenizer, prompt, proposer, max_tokens=80)
+    assert result.tokens == reference and max(result.acceptance_lengths) == 10
+
+
+# ---------------------------------------------------------------------------
+# Rollback parity: verify a block then roll back == feed only the accepted tokens
+
+
+def _flat_state(cache) -> list[mx.array]:
+    """The arrays that hold history: KV up to the offset, the last window-1 rotating entries
+    (all a later step can attend to), recurrent state."""
+    if isinstance(cache, RotatingKVCache):  # the window's history, oldest first
+        keys, values, _, keep, max_size, idx = cache.state
+        assert keep == 0
+        return [mx.concatenate([x[..., idx:, :], x[..., :idx, :]], axis=2)[..., 1 - max_size :, :]
+                for x in (keys, values)]
+    if isinstance(cache, KVCache):
+        return [cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]]
+    if isinstance(cache, QuantizedKVCache):  # dequantized keys and values
+        return [mx.dequantize(*(x[..., : cache.offset, :] for x in part), group_size=cache.group_size,
+                              bits=cache.bits) for part in (cache.keys, cache.values)]
+    return list(cache.cache)  # ArraysCache: conv window, recurrent state
+
+
+def _positions(cache):
+    return getattr(cache, "offset", None)
+
+
+def _assert_same_caches(rolled, direct):
+    for a, b in zip(rolled, direct):
+        assert type(a) is type(b) and _positions(a) == _positions(b)
+        for x, y in zip(_flat_state(a), _flat_state(b), strict=True):
+            assert x.shape == y.shape
+            # within 1e-5 of the state's scale: verifying 16 rows vs feeding `keep` rows changes
+            # matmul blocking, so attention-layer keys differ in the last bits (recurrent states
+            # come out bit-identical); an 8-bit cache may round such a key one step differently
+            x, y = x.astype(mx.float32), y.astype(mx.float32)
+            step = mx.abs(y).max().item() / 127 if isinstance(a, QuantizedKVCache) else 0.0
+            assert mx.abs(x - y).max().item() <= 1e-5 * max(mx.abs(y).max().item(), 1.0) + step
+
+
+CACHE_KINDS = {  # cache type under test -> a family whose cache list holds it (+ config overrides)
+    "KVCache": ("qwen3", {}),
+    "RotatingKVCache": ("gemma3_text", {}),
+    "ArraysCache": ("qwen3_5", {}),
+    "QuantizedKVCache": ("qwen3", {"head_dim": 32}),  # quantization groups of 32 along head_dim
+}
+
+
+@pytest.mark.parametrize("kind", list(CACHE_KINDS))
+@pytest.mark.parametrize("keep", [0, 1, 2, 7, 15])
+def test_rollback_parity(tiny_dir, kind, keep):
+    family, overrides = CACHE_KINDS[kind]
+    model, _ = load_tiny(make_tiny_target(tiny_dir / f"parity-{kind}", family, **overrides))
+    target = Target(model, [1])
+    prompt = mx.array([[(7 * i) % 250 for i in range(21)]])  # longer than the sliding window (8)
+    block = mx.array([[(11 * i + 3) % 250 for i in range(16)]])
+
+    def prefilled():
+        cache = target.make_cache()
+        if kind == "QuantizedKVCache":
+            cache = [QuantizedKVCache(group_size=32, bits=8) for _ in cache]
+        target(prompt, cache)
+        return cache
+
+    rolled, direct = prefilled(), prefilled()
+    target(block, rolled)
+    target.rollback(rolled, 16 - keep)
+    if keep:
+        target(block[:, :keep], direct)
+    assert any(type(c).__name__ == kind for c in rolled)
+    _assert_same_caches(rolled, direct)
+    # and both continue alike (an 8-bit cache's one-step rounding differences reach the logits)
+    nxt = mx.array([[42, 43, 44]])
+    gap = mx.abs(target(nxt, rolled)[0] - target(nxt, direct)[0]).max().item()
+    assert gap <= (2e-2 if kind == "QuantizedKVCache" else 1e-4), gap
+
+
+# ---------------------------------------------------------------------------
+# Quantized targets and drafts
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantized_target_equals_its_own_greedy(tiny_dir, bits, group_size):
+    path = make_tiny_target(tiny_dir / "quant-qwen3", "qwen3", hidden_size=128, head_dim=32)  # groups of 128 fit
+    model, tokenizer = load_tiny(path)
+    tokenizer.eos_token_ids = set()
+    nn.quantize(model, group_size=group_size, bits=bits)
+    prompt = tokenizer.encode("def add(a, b):")
+    reference = greedy_reference(model, prompt, 48)
+    draft = create_random_draft(_config(model), num_layers=1, block_size=16, mask_token_id=MASK_ID)
+    quantize_draft(draft, bits, group_size)
+    assert generate(model, tokenizer, prompt, draft, max_tokens=48).tokens == reference
+    proposer = ReplayProposer(prompt + reference, 16, SCHEDULE, VOCAB_SIZE)
+    assert generate(model, tokenizer, prompt, proposer, max_tokens=48).tokens == reference
+
+
+def test_unsupported_family_fails_at_load_naming_it(tiny_dir):
+    import importlib
+
+    module = importlib.import_module("mlx_lm.models.mamba")
+    args = module.ModelArgs(model_type="mamba", vocab_size=32, hidden_size=16, intermediate_size=32,
+                            state_size=4, num_hidden_layers=2, conv_kernel=4, use_bias=False,
+                            use_conv_bias=True, time_step_rank=4)
+    with pytest.raises(DFlashError, match="'mamba' is not supported"):
+        Target(module.Model(args), [0])
