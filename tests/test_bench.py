@@ -49,3 +49,19 @@ def test_bench_runs_and_writes_everything(tiny_dir, tmp_path):
     for png in ("tokens_per_sec.png", "acceptance.png"):
         assert (tmp_path / png).stat().st_size > 0
     assert "| dflash | 12 |" in markdown_table(summary)
+
+
+def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):
+    """Scale mode end to end on the tiny Gated DeltaNet shape with a quantized draft (a quantized
+    target works the same way but MLX's CPU quantized matmul makes it 8x slower here)."""
+    from mlx_dflash.cli import main
+
+    out = tmp_path / "scale"
+    assert main(["bench", "--scale", "tiny-hybrid", "--draft-quant", "8", "--lengths", "24", "--block-size", "4",
+                 "--replay-mean", "3", "--num-prompts", "1", "--prompt-len", "16", "--draft-layers", "1",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert summary["dflash_replay_mean3.0@24"]["token_match"] == {"0": True}
+    costs = json.loads((out / "cycle_costs.json").read_text())
+    assert [c["context_len"] for c in costs] == [16, 24]
+    assert all(c["rollback_ms"] >= 0 and c["verify_plus_rollback_ms"] > 0 for c in costs)

@@ -45,3 +45,23 @@ def test_bad_input_is_one_line(files, capsys, extra, message):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_quantize_saves_a_loadable_smaller_draft(files, tmp_path, capsys):
+    target, draft = files
+    out = tmp_path / "draft-q4"
+    assert main(["quantize", draft, str(out), "--bits", "4", "--group-size", "32"]) == 0
+    size = lambda d: sum(f.stat().st_size for f in d.glob("*.safetensors"))  # noqa: E731
+    from pathlib import Path
+
+    assert size(out) < size(Path(draft)) / 3
+    assert json.loads((out / "config.json").read_text())["quantization"] == {"group_size": 32, "bits": 4}
+    assert main(["generate", "--model", target, "--draft", str(out), "--prompt", "hi", "--max-tokens", "8"]) == 0
+    assert main(["quantize", str(out), str(tmp_path / "again")]) == 2
+    assert "already quantized" in capsys.readouterr().err
+
+
+def test_draft_quant_flag(files, capsys):
+    target, draft = files
+    assert main(["generate", "--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "8",
+                 "--draft-quant", "8"]) == 0

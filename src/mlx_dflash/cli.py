@@ -10,10 +10,7 @@ from .errors import DFlashError
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with DFlash speculative decoding")
-    p.add_argument("--model", default=None,
-                   help="target: registered name (mlx-dflash models list), local folder or Hugging Face id")
-    p.add_argument("--draft", default=None,
-                   help="DFlash draft: local folder or Hugging Face id (default: the draft shipped for --model)")
+    _add_pair_flags(p)
     p.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=None, help="default: the draft's trained block size")
@@ -26,6 +23,17 @@ def _add_generate(sub) -> None:
                    help="fall back to plain decoding while drafts lose (measured each cycle); same output")
     _add_sampling_flags(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_pair_flags(p) -> None:
+    """--model, --draft and --draft-quant: the target/draft pair every decoding command runs."""
+    p.add_argument("--model", default=None,
+                   help="target: registered name (mlx-dflash models list), local folder or Hugging Face id "
+                        "(default: the embedded default model)")
+    p.add_argument("--draft", default=None,
+                   help="DFlash draft: local folder or Hugging Face id (default: the draft shipped for --model)")
+    p.add_argument("--draft-quant", type=int, choices=[4, 8], default=None,
+                   help="quantize the draft's linear layers to 4 or 8 bits at load time")
 
 
 def _add_sampling_flags(p) -> None:
@@ -109,17 +117,22 @@ def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def _load_pair(model_arg, draft_arg):
+def _load_pair(args):
     """(model, tokenizer, draft, name): the target (default: the embedded model) and its draft
-    (default: the shipped one), the draft in the target's float dtype, checked against it."""
-    from .draft import load_draft
+    (default: the shipped one), the draft in the target's float dtype (optionally quantized),
+    checked against it."""
+    from .draft import load_draft, quantize_draft
     from .models import DEFAULT_MODEL, shipped_draft
     from .target import check_compatible, float_dtype, load_target
 
-    name = model_arg or DEFAULT_MODEL
+    name = args.model or DEFAULT_MODEL
     model, tokenizer = load_target(name)
-    draft = load_draft(draft_arg or shipped_draft(name), dtype=float_dtype(model))
+    draft = load_draft(args.draft or shipped_draft(name), dtype=float_dtype(model))
     check_compatible(draft, model)
+    if args.draft_quant:
+        if "quantization" in draft.config.extra:
+            raise DFlashError("--draft-quant: this draft is already quantized")
+        quantize_draft(draft, args.draft_quant)
     return model, tokenizer, draft, name
 
 
@@ -128,7 +141,7 @@ def _run_generate(args) -> None:
 
     if args.max_tokens < 1:
         raise DFlashError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    model, tokenizer, draft, _ = _load_pair(args.model, args.draft)
+    model, tokenizer, draft, _ = _load_pair(args)
     prompt = _format_prompt(tokenizer, args.prompt, args.chat, args.system)
     acceptance = []
     sampling = _sampling_from_args(args)
@@ -220,8 +233,7 @@ def _run_train(args) -> None:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="DFlash vs plain decoding (and mlx-lm speculative decoding), side by side")
-    p.add_argument("--model", default=None, help="target (default: the embedded default model)")
-    p.add_argument("--draft", default=None, help="DFlash draft (default: the one shipped for --model)")
+    _add_pair_flags(p)
     p.add_argument("--ar-draft", default=None, help="autoregressive draft for mlx-lm's speculative decoding")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="for --ar-draft")
     p.add_argument("--prompts", default=None, help=".jsonl with a 'prompt' per line (default: HumanEval)")
@@ -234,7 +246,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--out", default="bench_out", help="folder for results.json, results.md and PNG plots")
     p.add_argument("--scale", default=None, help="scale mode: a random-weight target of this shape "
-                   "(qwen3-4b, qwen3-8b, qwen3-14b) with a replay draft")
+                   "(qwen3-4b/8b/14b, qwen3.5-4b/9b/27b) with a replay draft")
     p.add_argument("--quant", type=int, choices=[4, 8], default=None, help="scale mode: quantize the target")
     p.add_argument("--replay-mean", type=float, nargs="+", default=[6.5],
                    help="scale mode: mean acceptance length(s) of the replay")
@@ -271,6 +283,10 @@ def _run_bench(args) -> None:
         model, config = random_target(args.scale, args.quant)
         tokenizer = null_tokenizer(config["vocab_size"])
         draft = random_draft(config, layers=args.draft_layers, block_size=args.block_size or 16)
+        if args.draft_quant:
+            from .draft import quantize_draft
+
+            quantize_draft(draft, args.draft_quant)
         bs = draft.block_size
         prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.random.key(i)).tolist()
                    for i in range(args.num_prompts)]
@@ -286,7 +302,7 @@ def _run_bench(args) -> None:
         return
     from .target import load_target
 
-    model, tokenizer, draft, _ = _load_pair(args.model, args.draft)
+    model, tokenizer, draft, _ = _load_pair(args)
     ar_draft = load_target(args.ar_draft)[0] if args.ar_draft else None
     texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
     texts = texts[: args.num_prompts]
@@ -302,8 +318,7 @@ def _run_bench(args) -> None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions)")
-    p.add_argument("--model", default=None, help="target (default: the embedded default model)")
-    p.add_argument("--draft", default=None, help="DFlash draft (default: the one shipped for --model)")
+    _add_pair_flags(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--context-limit", type=int, default=None,
@@ -316,15 +331,35 @@ def _run_serve(args) -> None:
     import uvicorn
 
     from .server import Served, create_app
+    from .target import text_args
 
     if not 0 < args.port < 65536:
         raise DFlashError(f"--port must be in 1..65535, got {args.port}")
-    model, tokenizer, draft, model_name = _load_pair(args.model, args.draft)
-    context = args.context_limit or getattr(model.args, "max_position_embeddings", None) or 4096
+    model, tokenizer, draft, model_name = _load_pair(args)
+    context = args.context_limit or getattr(text_args(model), "max_position_embeddings", None) or 4096
     if context < 2 or args.max_tokens_limit < 1:
         raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")
     served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context))
     uvicorn.run(create_app(served), host=args.host, port=args.port)
+
+
+def _add_quantize(sub) -> None:
+    p = sub.add_parser("quantize", help="save a 4- or 8-bit copy of a DFlash draft (same format, smaller)")
+    p.add_argument("draft", help="draft folder")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--bits", type=int, choices=[4, 8], default=8)
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=64)
+    p.set_defaults(func=_run_quantize)
+
+
+def _run_quantize(args) -> None:
+    from .draft import load_draft, quantize_draft, save_draft
+
+    draft = load_draft(args.draft)
+    if "quantization" in draft.config.extra:
+        raise DFlashError(f"{args.draft} is already quantized")
+    quantize_draft(draft, args.bits, args.group_size)
+    print(save_draft(draft, args.out))
 
 
 def _add_doctor(sub) -> None:
@@ -354,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_train(sub)
     _add_bench(sub)
     _add_serve(sub)
+    _add_quantize(sub)
     _add_doctor(sub)
     args = parser.parse_args(argv)
     try:
