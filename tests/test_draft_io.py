@@ -154,3 +154,38 @@ def test_missing_tensor_is_refused(target, tmp_path):
     mx.save_safetensors(str(tmp_path / "d" / "model.safetensors"), weights)
     with pytest.raises(DFlashError, match="do not match its config"):
         load_draft(str(tmp_path / "d"))
+
+
+def test_context_window_bounds_the_draft_cache_and_keeps_output_exact(tiny_dir):
+    """A sink + window draft cache stays bounded, keeps absolute positions, round-trips in
+    config.json, changes nothing while the context fits, and never changes the output."""
+    from tiny_models import tiny_pair
+
+    from mlx_dflash.draft import ContextWindowCache
+    from mlx_dflash.engine import DFlashProposer
+    from mlx_dflash.target import Target
+
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "window-qwen3", "qwen3", "def f(x):", 60)
+    config = dict(vars(model.args))
+    draft = create_random_draft(config, num_layers=2, block_size=8, mask_token_id=MASK_ID)
+    draft.config.context_window, draft.config.context_sink = 16, 2
+    reloaded = load_draft(str(save_draft(draft, tiny_dir / "window-draft")))
+    assert (reloaded.config.context_window, reloaded.config.context_sink) == (16, 2)
+    assert generate(model, tokenizer, prompt, draft, max_tokens=60).tokens == reference
+
+    proposer = DFlashProposer(draft)
+    proposer.start(Target(model, draft.config.target_layer_ids))
+    assert all(isinstance(c, ContextWindowCache) for c in proposer.cache)
+    features = mx.random.normal((1, 40, len(draft.config.target_layer_ids) * config["hidden_size"]))
+    proposer.add_context(features)
+    proposer.propose(mx.array([5], dtype=mx.uint32), 7)
+    assert proposer.cache[0].offset == 40 and proposer.cache[0].keys.shape[2] == 2 + 16
+
+    def drafted(window):  # 12 context positions: a window of 16 holds them all
+        draft.config.context_window = window
+        p = DFlashProposer(draft)
+        p.start(Target(model, draft.config.target_layer_ids))
+        p.add_context(features[:, :12])
+        return p.draft_logits(mx.array([5], dtype=mx.uint32), 7)
+
+    assert mx.allclose(drafted(16), drafted(None), atol=1e-5).item()

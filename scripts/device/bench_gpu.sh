@@ -1,20 +1,35 @@
 #!/usr/bin/env bash
-# Benchmarks on the lent H200 (MLX CUDA): the default pair on HumanEval, and scale mode.
+# Benchmarks on the lent H200 (MLX CUDA): the default pair on HumanEval (with and without
+# cuDNN attention), and scale mode (Qwen3.5-9B replay, a 4-bit target with bf16/8-bit drafts).
 # Same staging as train_default_draft.sh, plus .device/b/humaneval.jsonl
 # (python -m mlx_dflash.bench_prompts > .device/b/humaneval.jsonl).
 # DRAFT: a draft folder (default: the one trained by train_default_draft.sh if this machine
-# still has it, else the shipped one).
+# still has it, else the shipped one). PART=default|scale picks half of the runs.
 set -uo pipefail
 source .device/b/env.sh
+R=/tmp/results; rm -rf $R; mkdir -p $R  # packed into one file at the end ($OUT takes at most 8)
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
 mkdir -p $MLX_DFLASH_HOME/gguf
 [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
 python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
-D=${DRAFT:-/tmp/work/run/draft}; [ -d "$D" ] || D=src/mlx_dflash/drafts/smollm2-135m
+D=${DRAFT:-/tmp/work/ship/bf16}; [ -d "$D" ] || D=src/mlx_dflash/drafts/smollm2-135m
 echo "draft: $D"
 nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
-quiet() { tr '\r' '\n' | grep -v '^bench: .*run/s\]$'; }
-python3 -m mlx_dflash.cli bench --model smollm2-135m --draft "$D" --prompts .device/b/humaneval.jsonl \
-  --num-prompts "${NUM_PROMPTS:-10}" --lengths ${LENGTHS:-256 1024} --out "$OUT/default" 2>&1 | quiet | tail -12
-python3 -m mlx_dflash.cli bench --scale qwen3-8b --lengths 1024 --num-prompts 1 --replay-mean 6.5 1 \
-  --out "$OUT/scale" 2>&1 | quiet | tail -12
+quiet() { tr '\r' '\n' | grep -v 'run/s\]$'; }
+bench() { python3 -m mlx_dflash.cli bench "$@" 2>&1 | quiet | grep -E '^\||^\{|error' ; }
+if [ "${PART:-default}" = default ]; then
+  echo "== default pair, cuDNN attention ON (MLX's default) =="
+  MLX_CUDA_USE_CUDNN_SDPA=1 bench --model smollm2-135m --draft "$D" --prompts .device/b/humaneval.jsonl \
+    --num-prompts 2 --lengths 256 --out "$R/default_cudnn_on"
+  echo "== default pair, cuDNN attention OFF (mlx-dflash's default) =="
+  bench --model smollm2-135m --draft "$D" --prompts .device/b/humaneval.jsonl \
+    --num-prompts "${NUM_PROMPTS:-10}" --lengths ${LENGTHS:-1024} --out "$R/default"
+else
+  echo "== Qwen3.5-9B shape, bf16, replay =="
+  bench --scale qwen3.5-9b --lengths 1024 4096 --num-prompts 1 --replay-mean 6.5 --out "$R/q35_9b"
+  echo "== Qwen3-8B shape, 4-bit target: bf16 draft, then 8-bit draft =="
+  bench --scale qwen3-8b --quant 4 --lengths 1024 --num-prompts 1 --replay-mean 6.5 --out "$R/q3_8b_q4"
+  bench --scale qwen3-8b --quant 4 --draft-quant 8 --lengths 1024 --num-prompts 1 --replay-mean 6.5 \
+    --out "$R/q3_8b_q4_d8"
+fi
+tar czf "$OUT/results-${PART:-default}.tgz" -C $R . && ls -la "$OUT"

@@ -34,6 +34,9 @@ def _add_pair_flags(p) -> None:
                    help="DFlash draft: local folder or Hugging Face id (default: the draft shipped for --model)")
     p.add_argument("--draft-quant", type=int, choices=[4, 8], default=None,
                    help="quantize the draft's linear layers to 4 or 8 bits at load time")
+    p.add_argument("--draft-window", type=int, default=None,
+                   help="draft attends to 4 sink + this many latest context positions (0: all; "
+                        "default: the window the draft was trained with, else all)")
 
 
 def _add_sampling_flags(p) -> None:
@@ -117,6 +120,14 @@ def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
+def set_draft_window(draft, window) -> None:
+    if window is None:
+        return
+    if window < 0:
+        raise DFlashError(f"--draft-window must be 0 (all context) or positive, got {window}")
+    draft.config.context_window = window or None
+
+
 def _load_pair(args):
     """(model, tokenizer, draft, name): the target (default: the embedded model) and its draft
     (default: the shipped one), the draft in the target's float dtype (optionally quantized),
@@ -129,6 +140,7 @@ def _load_pair(args):
     model, tokenizer = load_target(name)
     draft = load_draft(args.draft or shipped_draft(name), dtype=float_dtype(model))
     check_compatible(draft, model)
+    set_draft_window(draft, args.draft_window)
     if args.draft_quant:
         if "quantization" in draft.config.extra:
             raise DFlashError("--draft-quant: this draft is already quantized")
@@ -283,6 +295,7 @@ def _run_bench(args) -> None:
         model, config = random_target(args.scale, args.quant)
         tokenizer = null_tokenizer(config["vocab_size"])
         draft = random_draft(config, layers=args.draft_layers, block_size=args.block_size or 16)
+        set_draft_window(draft, args.draft_window)
         if args.draft_quant:
             from .draft import quantize_draft
 

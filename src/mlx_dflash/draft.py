@@ -64,6 +64,10 @@ class DraftConfig:
     rope_scaling: Optional[dict] = None
     layer_types: Optional[list[str]] = None
     sliding_window: Optional[int] = None
+    # Draft context window (our extension, in dflash_config): attend to the first
+    # ``context_sink`` and the last ``context_window`` committed positions only. None: all.
+    context_window: Optional[int] = None
+    context_sink: int = 4
     extra: dict = field(default_factory=dict)  # unknown fields, written back on save
 
     @classmethod
@@ -107,6 +111,8 @@ class DraftConfig:
             rope_scaling=raw.get("rope_scaling"),
             layer_types=raw.get("layer_types"),
             sliding_window=raw.get("sliding_window"),
+            context_window=dflash.get("context_window"),
+            context_sink=dflash.get("context_sink", 4),
             extra={k: v for k, v in raw.items() if k not in known},
         )
 
@@ -135,6 +141,8 @@ class DraftConfig:
                 },
             }
         )
+        if self.context_window is not None:
+            out["dflash_config"].update(context_window=self.context_window, context_sink=self.context_sink)
         if self.layer_types is not None:
             out["layer_types"] = self.layer_types
             out["sliding_window"] = self.sliding_window
@@ -237,6 +245,37 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+class ContextWindowCache:
+    """Draft context K/V keeping the first ``sink`` and the last ``window`` positions.
+
+    ``offset`` counts every position ever added, so RoPE positions stay absolute; only
+    the middle of a long context is dropped (attention-sink style)."""
+
+    def __init__(self, sink: int, window: int):
+        self.sink, self.window = sink, window
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2] - (0 if self.keys is None else self.keys.shape[2])
+        if keys.shape[2] > self.sink + self.window:
+            keys, values = (mx.concatenate([x[..., : self.sink, :], x[..., -self.window :, :]], axis=2)
+                            for x in (keys, values))
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    @property
+    def state(self) -> tuple:
+        return self.keys, self.values
+
+
 class DraftMLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -292,8 +331,13 @@ class DFlashDraft(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache() for _ in self.layers]
+    def make_cache(self) -> list:
+        """Per layer: all context, or a sink + sliding window of it (``config.context_window``)
+        so that a draft pass costs the same at any context length. Sliding-window layers of
+        published drafts keep their own window (their mask counts every position)."""
+        window, sink = self.config.context_window, self.config.context_sink
+        return [ContextWindowCache(sink, window) if window and not self.config.is_sliding(i) else KVCache()
+                for i in range(len(self.layers))]
 
     def project_context(self, tapped: mx.array) -> mx.array:
         """Context features C = hidden_norm(fc(concat of tapped target hidden states))."""

@@ -103,8 +103,10 @@ def context_visibility(anchors: mx.array, context_len: int) -> mx.array:
 def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: np.random.Generator) -> dict:
     bs = cfg.block_size
     anchors = [sample_anchors(r, cfg.anchors, cfg.max_len, rng) for r in records]
-    A = max(1, max(a.size for a in anchors))
-    T = max(min(len(r["tokens"]), cfg.max_len) for r in records)
+    # Few distinct shapes (anchors fixed, length in steps of 128): MLX CUDA builds and caches
+    # an attention graph per shape; padding costs a little compute instead.
+    longest = max(min(len(r["tokens"]), cfg.max_len) for r in records)
+    A, T = cfg.anchors, min(cfg.max_len, -(-longest // 128) * 128)
     tokens = np.zeros((len(records), T), np.int32)
     anchor_pos = np.zeros((len(records), A), np.int32)
     labels = np.zeros((len(records), A, bs - 1), np.int32)
@@ -221,6 +223,7 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
             vars(text_args(target_model)), num_layers=cfg.layers, block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
         )
+        draft.config.context_window = cfg.max_len  # it never sees more context than this in training
         draft.set_dtype(mx.float32)
     target = Target(target_model, draft.config.target_layer_ids)
     target_model.freeze()
