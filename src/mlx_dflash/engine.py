@@ -134,9 +134,14 @@ def decode_cycles(
         mx.async_eval(tokens, accepted, features)
         return tokens, accepted, features
 
-    def next_block() -> int:
-        return min(policy.choose() if policy else block_size, max_tokens - emitted)
+    def next_block(uncounted: int = 0) -> int:
+        """The next block's size; ``uncounted``: tokens of the current cycle not yet in ``emitted``."""
+        return min(policy.choose() if policy else block_size, max_tokens - emitted - uncounted)
 
+    # Plain decoding (block size 1) needs no accept count to pick its next input, so, like
+    # mlx-lm's generate_step, its next step is queued before the host waits for this one.
+    # (Not with logits processors: they read the committed history on the host.)
+    can_queue_ahead = not (sampling and sampling.logits_processors)
     emitted, bonus_id = 1, bonus.item()
     yield Cycle([bonus_id], None)
     pending = launch(bonus, next_block()) if emitted < max_tokens else None
@@ -144,6 +149,10 @@ def decode_cycles(
     while pending is not None:
         tokens, accepted, features = pending
         block_len = tokens.size
+        queued = choice = None
+        if block_len == 1 and can_queue_ahead and emitted + 1 < max_tokens:
+            choice = next_block(uncounted=1)
+            queued = launch(tokens, 1) if choice == 1 else None
         a = accepted.item()  # the cycle's single device-to-host sync (tokens are evaluated with it)
         if policy:
             policy.record(block_len, a + 1, time.perf_counter() - synced)
@@ -154,7 +163,10 @@ def decode_cycles(
         emitted += a + 1
         history += [bonus_id] + committed[:-1]  # history: every token before the next block's first
         bonus, bonus_id = tokens[a : a + 1], committed[-1]
-        pending = launch(bonus, next_block()) if emitted < max_tokens else None
+        if queued is not None:
+            pending = queued
+        else:
+            pending = launch(bonus, choice or next_block()) if emitted < max_tokens else None
         yield Cycle(committed, a + 1)
 
 

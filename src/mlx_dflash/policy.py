@@ -21,6 +21,7 @@ class BlockPolicy:
         self.max_block = max_block
         self.histogram = [0] * (max_block + 1)  # acceptance lengths seen with full blocks
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
+        self.samples: dict[int, int] = {}  # block size -> cycles seen (the first is not timed)
         self.cycles = 0
         self.probe_every = PROBE_START
         self.since_probe = 0
@@ -52,8 +53,11 @@ class BlockPolicy:
     def record(self, block: int, acceptance: int, seconds: float) -> None:
         """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall time."""
         self.cycles += 1
-        old = self.seconds.get(block)
-        self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.samples[block] = self.samples.get(block, 0) + 1
+        if self.samples[block] > 1:  # a size's first cycle carries one-off costs: 19 ms for the
+            old = self.seconds.get(block)  # first 16-block vs ~200 steady, 142 ms for the first
+            self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds  # plain
+            # step vs ~90 (CPU, SmolLM2); such outliers steered the policy wrong for a dozen cycles
         if block == self.max_block:
             self.histogram[acceptance] += 1
             if 1 in self.seconds and self.rate(self.max_block) < self.rate(1):
