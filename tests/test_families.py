@@ -157,3 +157,13 @@ def test_unsupported_family_fails_at_load_naming_it(tiny_dir):
                             use_conv_bias=True, time_step_rank=4)
     with pytest.raises(DFlashError, match="'mamba' is not supported"):
         Target(module.Model(args), [0])
+
+
+def test_gemma_draft_sees_scaled_embeddings(tiny_dir):
+    """The draft's block embeddings match what Gemma's first layer receives."""
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "family-gemma-embed", "gemma3_text"))
+    target = Target(model, [1])
+    ids = mx.array([[3, 5, 7]])
+    raw = model.model.embed_tokens(ids)
+    assert mx.allclose(target.embed(ids), raw * 64**0.5, rtol=1e-2).item()
+    assert not mx.allclose(target.embed(ids), raw).item()

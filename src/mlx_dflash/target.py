@@ -38,6 +38,7 @@ SUPPORTED_FAMILIES = {
     "gemma3_text", "gpt_oss",  # sliding-window layers (rotating caches), gpt-oss attention sinks
     "qwen3_5", "qwen3_5_moe", "qwen3_next",  # hybrid: Gated DeltaNet + attention
 }
+SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(hidden_size)
 
 
 class _Recorder:
@@ -145,7 +146,12 @@ class Target:
 
     # -- pieces the draft borrows -----------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.model.model.embed_tokens(tokens)
+        """Token embeddings at the scale the target's first layer sees them (Gemma scales by
+        sqrt(hidden), rounded through bfloat16 as mlx-lm does)."""
+        h = self.model.model.embed_tokens(tokens)
+        if self.family in SCALED_EMBEDDINGS:
+            h = h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+        return h
 
     def head(self, hidden: mx.array) -> mx.array:
         """Logits from final-normed hidden states (tied or untied output head)."""
