@@ -65,3 +65,8 @@ def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):
     costs = json.loads((out / "cycle_costs.json").read_text())
     assert [c["context_len"] for c in costs] == [16, 24]
     assert all(c["rollback_ms"] >= 0 and c["verify_plus_rollback_ms"] > 0 for c in costs)
+    fast = tmp_path / "costs"
+    assert main(["bench", "--scale", "tiny-hybrid", "--costs-only", "--lengths", "32", "--prompt-len", "16",
+                 "--draft-layers", "1", "--out", str(fast)]) == 0
+    assert not (fast / "results.json").exists()
+    assert [c["context_len"] for c in json.loads((fast / "cycle_costs.json").read_text())] == [16, 32]

@@ -264,6 +264,8 @@ def _add_bench(sub) -> None:
                    help="scale mode: mean acceptance length(s) of the replay")
     p.add_argument("--draft-layers", type=int, default=5, help="scale mode: layers of the random draft")
     p.add_argument("--prompt-len", type=int, default=128, help="scale mode: random prompt length")
+    p.add_argument("--costs-only", action="store_true",
+                   help="scale mode: per-cycle costs at each length only, no generations (fast)")
     _add_sampling_flags(p)
     p.set_defaults(func=_run_bench)
 
@@ -306,10 +308,11 @@ def _run_bench(args) -> None:
         proposers = {f"dflash_replay_mean{m}": functools.partial(
             ReplayProposer, block_size=bs, schedule=geometric_schedule(m, bs), vocab_size=config["vocab_size"],
             cost_of=DFlashProposer(draft)) for m in args.replay_mean}
-        summary = run_bench(model, tokenizer, prompts, proposers, cfg, out_dir=out)
+        if not args.costs_only:
+            print(markdown_table(run_bench(model, tokenizer, prompts, proposers, cfg, out_dir=out)))
+        out.mkdir(parents=True, exist_ok=True)
         costs = [cycle_costs(model, draft, n, bs) for n in sorted({args.prompt_len, *args.lengths})]
         (out / "cycle_costs.json").write_text(json.dumps(costs, indent=1))
-        print(markdown_table(summary))
         for c in costs:
             print(json.dumps(c))
         return
