@@ -1,6 +1,7 @@
-# Run: python scripts/hybrid_rollback_costs.py (on Linux CPUs with LD_PRELOAD=...openblas.../libblas.so.3)
 """One Gated DeltaNet layer at Qwen3.5-9B dims on this CPU: replay of k accepted tokens vs
-the extra cost of keeping the 16 per-step recurrent states of a verify."""
+the extra cost of keeping the 16 per-step recurrent states of a verify (rollback.py says
+why it matters). Run: python scripts/hybrid_rollback_costs.py (on Linux, with OpenBLAS in
+LD_PRELOAD as `mlx-dflash doctor` describes)."""
 import time
 import mlx.core as mx
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
