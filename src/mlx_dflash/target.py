@@ -184,7 +184,9 @@ class Target:
             return
         layers = self._layer_list()
         for i, layer_cache in enumerate(cache):
-            if i in self._snapshots:
+            if i in self.recurrent_ids:
+                if i not in self._snapshots:
+                    raise RuntimeError("a recurrent cache can only roll back the latest call, once")
                 inputs = self._block_inputs[i]
                 rewind_recurrent(layer_cache, self._snapshots[i], self.mixer, layers[i].layer, inputs,
                                  keep=inputs.shape[1] - num_tokens)
