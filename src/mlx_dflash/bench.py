@@ -198,9 +198,10 @@ def _save(plt, fig, path: Path) -> Path:
 def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer, block_size: Optional[int]) -> None:
     """Run every acceptance length (and so every shape of a cycle) once before timing.
 
-    MLX's CUDA backend compiles kernels on first use of each shape: on an H200 the first
-    DFlash generation ran at 173 ms/cycle and the next ones at 14 ms/cycle. A replay that
-    cycles through acceptance lengths 1..bs, running the real draft each cycle, covers them.
+    First uses are slow (kernel JIT, allocator; on MLX CUDA also attention graphs per shape,
+    see mlx_dflash/__init__.py): on an H200 the first DFlash generation ran at 173 ms/cycle
+    and the next ones at 14 ms/cycle. A replay that cycles through acceptance lengths 1..bs,
+    running the real draft each cycle, covers every cycle shape.
     """
     from .draft import DFlashDraft
     from .engine import DFlashProposer

@@ -120,7 +120,7 @@ def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[int]:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
-def set_draft_window(draft, window) -> None:
+def _set_draft_window(draft, window) -> None:
     if window is None:
         return
     if window < 0:
@@ -140,10 +140,8 @@ def _load_pair(args):
     model, tokenizer = load_target(name)
     draft = load_draft(args.draft or shipped_draft(name), dtype=float_dtype(model))
     check_compatible(draft, model)
-    set_draft_window(draft, args.draft_window)
+    _set_draft_window(draft, args.draft_window)
     if args.draft_quant:
-        if "quantization" in draft.config.extra:
-            raise DFlashError("--draft-quant: this draft is already quantized")
         quantize_draft(draft, args.draft_quant)
     return model, tokenizer, draft, name
 
@@ -297,7 +295,7 @@ def _run_bench(args) -> None:
         model, config = random_target(args.scale, args.quant)
         tokenizer = null_tokenizer(config["vocab_size"])
         draft = random_draft(config, layers=args.draft_layers, block_size=args.block_size or 16)
-        set_draft_window(draft, args.draft_window)
+        _set_draft_window(draft, args.draft_window)
         if args.draft_quant:
             from .draft import quantize_draft
 
@@ -372,8 +370,6 @@ def _run_quantize(args) -> None:
     from .draft import load_draft, quantize_draft, save_draft
 
     draft = load_draft(args.draft)
-    if "quantization" in draft.config.extra:
-        raise DFlashError(f"{args.draft} is already quantized")
     quantize_draft(draft, args.bits, args.group_size)
     print(save_draft(draft, args.out))
 

@@ -258,10 +258,10 @@ class ContextWindowCache:
         self.offset = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.offset += keys.shape[2]
         if self.keys is not None:
             keys = mx.concatenate([self.keys, keys], axis=2)
             values = mx.concatenate([self.values, values], axis=2)
-        self.offset += keys.shape[2] - (0 if self.keys is None else self.keys.shape[2])
         if keys.shape[2] > self.sink + self.window:
             keys, values = (mx.concatenate([x[..., : self.sink, :], x[..., -self.window :, :]], axis=2)
                             for x in (keys, values))
@@ -448,6 +448,8 @@ def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
 
 def quantize_draft(draft: DFlashDraft, bits: int, group_size: int = 64) -> None:
     """Quantize the draft's linear layers in place (its norms stay in float)."""
+    if any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules()):
+        raise DFlashError("this draft is already quantized")
     nn.quantize(draft, group_size=group_size, bits=bits)
     draft.config.extra["quantization"] = {"group_size": group_size, "bits": bits}
 

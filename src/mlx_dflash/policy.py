@@ -54,10 +54,12 @@ class BlockPolicy:
         """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall time."""
         self.cycles += 1
         self.samples[block] = self.samples.get(block, 0) + 1
-        if self.samples[block] > 1:  # a size's first cycle carries one-off costs: 19 ms for the
-            old = self.seconds.get(block)  # first 16-block vs ~200 steady, 142 ms for the first
-            self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds  # plain
-            # step vs ~90 (CPU, SmolLM2); such outliers steered the policy wrong for a dozen cycles
+        # A size's first cycle carries one-off costs (CPU, SmolLM2: 19 ms for the first 16-block
+        # vs ~200 steady, 142 ms for the first plain step vs ~80); such outliers steered the
+        # policy wrong for a dozen cycles, so it is not timed.
+        if self.samples[block] > 1:
+            old = self.seconds.get(block)
+            self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if block == self.max_block:
             self.histogram[acceptance] += 1
             if 1 in self.seconds and self.rate(self.max_block) < self.rate(1):
