@@ -5,10 +5,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny_models import MASK_ID, load_tiny, make_tiny_target
+from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
 
 from mlx_dflash import create_random_draft, generate, load_draft
-from mlx_dflash.data import build_dataset, read_sequences, stdlib_prompts
+from mlx_dflash.data import build_dataset, greedy_batch, read_sequences, stdlib_prompts
 from mlx_dflash.train import TrainConfig, context_visibility, make_batch, train
 
 
@@ -63,6 +63,20 @@ def test_stdlib_prompts_are_offline_and_not_benchmarks():
     prompts = stdlib_prompts()
     assert len(prompts) > 1000 and len(set(prompts)) == len(prompts)
     assert not any("HumanEval" in p or "has_close_elements" in p for p in prompts)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
+def test_batched_greedy_equals_mlx_lm_greedy(tiny_dir, family):
+    """Left-padded static batches (KV, rotating and recurrent caches) give each prompt's
+    own greedy tokens, cut after the first EOS."""
+    model, tokenizer = load_tiny(make_tiny_target(tiny_dir / f"batch-{family}", family))
+    prompts = [tokenizer.encode(text) for text in ["def add(a, b):", "x", "Sort a list of numbers quickly."]]
+    references = [greedy_reference(model, p, 24) for p in prompts]
+    assert greedy_batch(model, prompts, 24, eos_ids=set()) == references
+    stop = references[0][5]  # an "EOS" seen early in the first reference
+    cut = greedy_batch(model, prompts, 24, eos_ids={stop})
+    for got, ref in zip(cut, references):
+        assert got == (ref[: ref.index(stop) + 1] if stop in ref else ref)
 
 
 @pytest.fixture(scope="module")

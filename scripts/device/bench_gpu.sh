@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Benchmarks on the lent H200 (MLX CUDA): the default pair on HumanEval (with and without
-# cuDNN attention), and scale mode (Qwen3.5-9B replay, a 4-bit target with bf16/8-bit drafts).
+# Benchmarks on the lent H200 (MLX CUDA): the default pair on HumanEval (8-bit and bf16
+# draft, and a random draft as the worst case), and scale mode (Qwen3.5-9B replay, a 4-bit target with bf16/8-bit drafts).
 # Same staging as train_default_draft.sh, plus .device/b/humaneval.jsonl
 # (python -m mlx_dflash.bench_prompts > .device/b/humaneval.jsonl).
 # DRAFT: a draft folder (default: the one trained by train_default_draft.sh if this machine
@@ -18,12 +18,21 @@ nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import mlx.core a
 quiet() { tr '\r' '\n' | grep -v 'run/s\]$'; }
 bench() { python3 -m mlx_dflash.cli bench "$@" 2>&1 | quiet | grep -E '^\||^\{|error' ; }
 if [ "${PART:-default}" = default ]; then
-  echo "== default pair, cuDNN attention ON (MLX's default) =="
-  MLX_CUDA_USE_CUDNN_SDPA=1 bench --model smollm2-135m --draft "$D" --prompts .device/b/humaneval.jsonl \
-    --num-prompts 2 --lengths 256 --out "$R/default_cudnn_on"
-  echo "== default pair, cuDNN attention OFF (mlx-dflash's default) =="
+  # trained by train_default_draft.sh on this machine: ship/q8 (what ships) and ship/bf16
+  Q8=${D%/bf16}/q8; [ -d "$Q8" ] || Q8=$D
+  echo "== default pair, 8-bit draft ($Q8) =="
+  bench --model smollm2-135m --draft "$Q8" --prompts .device/b/humaneval.jsonl \
+    --num-prompts "${NUM_PROMPTS:-8}" --lengths ${LENGTHS:-1024 2048} --out "$R/default_q8"
+  echo "== default pair, bf16 draft ($D) =="
   bench --model smollm2-135m --draft "$D" --prompts .device/b/humaneval.jsonl \
-    --num-prompts "${NUM_PROMPTS:-10}" --lengths ${LENGTHS:-1024} --out "$R/default"
+    --num-prompts "${NUM_PROMPTS:-8}" --lengths 1024 --out "$R/default_bf16"
+  echo "== default model, a useless (random) draft: the adaptive policy's floor =="
+  python3 -c "
+from mlx_dflash.draft import create_random_draft, save_draft; import json, glob
+cfg = json.load(open(glob.glob('$MLX_DFLASH_HOME/models/smollm2-135m*/config.json')[0]))
+save_draft(create_random_draft(cfg, num_layers=5, block_size=16, mask_token_id=16), '/tmp/random_draft')"
+  bench --model smollm2-135m --draft /tmp/random_draft --prompts .device/b/humaneval.jsonl \
+    --num-prompts 4 --lengths 1024 --out "$R/default_random_draft"
 else
   # a full replay generation at this shape did not finish in 540 s (per-token recurrence on CUDA)
   echo "== Qwen3.5-9B shape, bf16, per-cycle costs =="

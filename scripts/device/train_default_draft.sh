@@ -3,8 +3,8 @@
 # device calls (each must stay under 10 minutes): STAGE=data, then STAGE=train.
 # Staging (from the checkout root, see ../shared/device/README.md):
 #   bash ../shared/device/stage-mlx-cuda ~/.cache/mlx-dflash/gguf/smollm2-135m.gguf
-#   device calls: .device/a keep.sh, .device/c keep.sh, .device/d keep.sh, then carry
-#   .device/b and run `STAGE=data bash scripts/device/train_default_draft.sh`, then STAGE=train.
+#   device calls: `bash .device/X/keep.sh` for each staged folder but b, then carry .device/b
+#   and run `STAGE=data bash scripts/device/train_default_draft.sh`, then STAGE=train.
 # Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH.
 set -uo pipefail
 source .device/b/env.sh
@@ -13,18 +13,18 @@ W=/tmp/work; mkdir -p $W $MLX_DFLASH_HOME/gguf
 [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
 python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-quiet() { tr '\r' '\n' | grep -Ev '(prompt|step)/s\]$' ; }
+quiet() { tr '\r' '\n' | grep -Ev '(prompt|step)/s(, [a-z]+=[^]]*)?\]$' ; }
 if [ "${STAGE:-data}" = data ]; then
   # self-distillation data from every stdlib prompt (resumable: a timeout keeps finished chunks)
   time timeout "${DATA_SECONDS:-300}" python3 -m mlx_dflash.cli data --model smollm2-135m --out $W/data \
-    --max-tokens 384 --batch-size "${BATCH:-256}" 2>&1 | quiet | tail -3
+    --max-tokens 384 --batch-size "${BATCH:-512}" 2>&1 | quiet | tail -3
   python3 -c "
 import json; r=[json.loads(l) for l in open('$W/data/sequences.jsonl')]
 print(f'sequences: {len(r)}, response tokens: {sum(len(x[\"tokens\"]) - x[\"prompt_len\"] for x in r)}')"
-  gzip -c $W/data/sequences.jsonl > "$OUT"/sequences.jsonl.gz
+  gzip -c $W/data/sequences.jsonl | split -b 15M - "$OUT"/sequences.jsonl.gz.part.
 else
   time python3 -m mlx_dflash.cli train --model smollm2-135m --data $W/data --out $W/run --layers "${LAYERS:-5}" \
-    --steps 100000 --batch-size 16 --anchors 256 --max-len 768 --eval-every 0 --eval-prompts 16 \
+    --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 \
     --save-every 1000 --time-budget "${TRAIN_SECONDS:-360}" 2>&1 | quiet | tail -8
   # shipped forms: bfloat16 and 8-bit; one tarball in <=15 MB pieces (files back are capped at 16 MB)
   python3 -c "

@@ -13,27 +13,27 @@ your own (a .jsonl with a "prompt" field per line, or plain text, one per line).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 import json
 import random
+import sys
 import warnings
 from pathlib import Path
 from typing import Iterator, Optional
+
+import mlx.core as mx
+import numpy as np
 
 from tqdm import tqdm
 
 from .errors import DFlashError
 
-STDLIB_MODULES = [
-    "os", "os.path", "shutil", "pathlib", "json", "re", "math", "statistics", "random", "string",
-    "textwrap", "itertools", "functools", "operator", "collections", "heapq", "bisect", "datetime",
-    "calendar", "time", "csv", "sqlite3", "hashlib", "base64", "binascii", "struct", "zlib", "gzip",
-    "zipfile", "tarfile", "fnmatch", "glob", "tempfile", "subprocess", "threading", "queue",
-    "asyncio", "socket", "urllib.parse", "http.client", "email.utils", "html", "difflib",
-    "unicodedata", "decimal", "fractions", "copy", "pprint", "enum", "dataclasses", "typing",
-    "contextlib", "logging", "argparse", "shlex", "uuid", "secrets", "ipaddress", "array", "io",
-]
+# Modules whose import has side effects (a browser, a poem, a GUI) or that are platform-only.
+SKIPPED_MODULES = {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3",
+                   "pydoc_data", "ensurepip", "venv", "msilib", "winreg", "winsound", "nt", "msvcrt"}
 TEMPLATES = [
     "Write a Python function that does the following: {doc}",
     "Implement `{name}` from scratch in Python. Its documentation says: \"{doc}\"",
@@ -41,9 +41,13 @@ TEMPLATES = [
     "Write a small Python program that uses `{qualname}`. It should {lower_doc}",
     "How would I {lower_doc} in Python? Show code.",
     "Write unit tests (pytest) for a function that does this: {doc}",
+    "What are common mistakes when using `{qualname}`? Show a correct usage.",
+    "Rewrite this description as a Python docstring and write the function body: {doc}",
+    "Write a command-line script around `{qualname}` with argparse.",
+    "Compare `{qualname}` with a hand-written alternative. When is each better?",
+    "I need to {lower_doc} Write a well-commented Python solution.",
+    "Write a JavaScript function equivalent to Python's `{qualname}`: {doc}",
 ]
-
-
 def _first_sentence(doc: str) -> Optional[str]:
     line = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
     if not 20 <= len(line) <= 200 or line.startswith((">>>", "(", "[")):
@@ -51,27 +55,43 @@ def _first_sentence(doc: str) -> Optional[str]:
     return line if line.endswith(".") else line + "."
 
 
-def stdlib_prompts(seed: int = 0) -> list[str]:
-    """Deterministic, de-duplicated prompts from standard-library docstrings."""
-    prompts = []
-    for module_name in STDLIB_MODULES:
-        try:
-            with warnings.catch_warnings():  # some modules warn about their own deprecation
-                warnings.simplefilter("ignore")
-                module = importlib.import_module(module_name)
-        except ImportError:
+def _documented_objects(module_name: str, module) -> Iterator[tuple[str, str, str]]:
+    """(name, qualname, first docstring sentence) of a module's own public functions, classes
+    and class methods (re-exports from other modules are skipped: they repeat)."""
+    for name, obj in sorted(vars(module).items()):
+        if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
             continue
-        for name, obj in sorted(vars(module).items()):
-            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
-                continue
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                doc = _first_sentence(inspect.getdoc(obj) or "")
-            if doc is None:
-                continue
-            fields = {"doc": doc, "name": name, "qualname": f"{module_name}.{name}",
-                      "lower_doc": doc[0].lower() + doc[1:]}
-            prompts += [t.format(**fields) for t in TEMPLATES]
+        if getattr(obj, "__module__", module_name) != module_name:
+            continue
+        if inspect.isclass(obj) and issubclass(obj, BaseException):
+            continue  # "Common base class for all non-exit exceptions." makes poor prompts
+        members = [(name, f"{module_name}.{name}", obj)]
+        if inspect.isclass(obj):
+            members += [(m, f"{module_name}.{name}.{m}", v) for m, v in sorted(vars(obj).items())
+                        if not m.startswith("_") and callable(v)]
+        for short, qualname, member in members:
+            doc = _first_sentence(inspect.getdoc(member) or "")
+            if doc is not None:
+                yield short, qualname, doc
+
+
+def stdlib_prompts(seed: int = 0) -> list[str]:
+    """Deterministic, de-duplicated prompts from this Python's standard-library docstrings."""
+    prompts = []
+    for module_name in sorted(sys.stdlib_module_names):
+        if module_name.startswith("_") or module_name in SKIPPED_MODULES:
+            continue
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+                warnings.simplefilter("ignore")  # some modules warn about their own deprecation
+                module = importlib.import_module(module_name)
+        except Exception:  # not built on this platform
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name, qualname, doc in _documented_objects(module_name, module):
+                fields = {"doc": doc, "name": name, "qualname": qualname, "lower_doc": doc[0].lower() + doc[1:]}
+                prompts += [t.format(**fields) for t in TEMPLATES]
     prompts = sorted(set(prompts))
     random.Random(seed).shuffle(prompts)
     return prompts
@@ -119,11 +139,61 @@ def _batches(items: list, size: int) -> Iterator[list]:
         yield items[i : i + size]
 
 
+def _batch_cache(model, left_padding: list[int]) -> list:
+    """The batched form of each of the model's caches (left-padded prompts)."""
+    from mlx_lm.models import cache as cache_lib
+
+    batched = []
+    for layer_cache in cache_lib.make_prompt_cache(model):
+        if type(layer_cache) is cache_lib.KVCache:
+            batched.append(cache_lib.BatchKVCache(left_padding))
+        elif type(layer_cache) is cache_lib.RotatingKVCache:
+            batched.append(cache_lib.BatchRotatingKVCache(layer_cache.max_size, left_padding))
+        elif type(layer_cache) is cache_lib.ArraysCache:
+            batched.append(cache_lib.ArraysCache(len(layer_cache.cache), left_padding))
+        else:
+            raise DFlashError(f"batched generation does not support {type(layer_cache).__name__}")
+    return batched
+
+
+def greedy_batch(model, prompts: list[list[int]], max_tokens: int, eos_ids: set[int],
+                 prefill_chunk: int = 512) -> list[list[int]]:
+    """Greedy responses for one batch of prompts, each cut after its first EOS (kept).
+
+    A static batch: every row steps until all have stopped, with one step queued ahead
+    of the host (as in mlx-lm's loop). mlx-lm's ``batch_generate`` admits and retires
+    sequences continuously, which copies the whole batch's caches each time one finishes;
+    on the H200 it made 2,900 tok/s with SmolLM2-135M. Rows that stopped early cost a
+    little wasted compute instead.
+    """
+    longest = max(len(p) for p in prompts)
+    padding = [longest - len(p) for p in prompts]
+    cache = _batch_cache(model, padding)
+    tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
+    for start in range(0, longest, prefill_chunk):
+        logits = model(tokens[:, start : start + prefill_chunk], cache=cache)
+    next_tokens = mx.argmax(logits[:, -1], axis=-1)
+    mx.async_eval(next_tokens)
+    steps, stopped, eos = [], np.zeros(len(prompts), bool), np.array(sorted(eos_ids))
+    for step in range(max_tokens):
+        current = next_tokens
+        if step + 1 < max_tokens:
+            next_tokens = mx.argmax(model(current[:, None], cache=cache)[:, -1], axis=-1)
+            mx.async_eval(next_tokens)
+        steps.append(np.array(current))
+        stopped |= np.isin(steps[-1], eos)
+        if stopped.all():
+            break
+    responses = np.stack(steps, axis=1).tolist()
+    for row in responses:
+        ends = [i for i, t in enumerate(row) if t in eos_ids]
+        del row[ends[0] + 1 if ends else len(row) :]
+    return responses
+
+
 def build_dataset(model, tokenizer, prompts: list[str], out_dir: str | Path, max_tokens: int = 256,
                   batch_size: int = 64) -> Path:
     """Generate greedy responses for ``prompts`` (resumable: done ids are skipped)."""
-    from mlx_lm.generate import batch_generate
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SEQUENCES_FILE
@@ -132,21 +202,16 @@ def build_dataset(model, tokenizer, prompts: list[str], out_dir: str | Path, max
         records = read_sequences(out)
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         done = {r["id"] for r in records}
-    todo = [(i, p) for i, p in enumerate(prompts) if i not in done]
+    todo = [(i, encode_chat(tokenizer, p)) for i, p in enumerate(prompts) if i not in done]
+    todo.sort(key=lambda item: len(item[1]))  # similar lengths share a batch: little padding
+    eos_ids = set(tokenizer.eos_token_ids)
     with open(path, "a") as sink, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                          desc="responses", unit="prompt") as bar:
-        # chunks of 4 batches: continuous batching keeps `batch_size` sequences in flight, and
-        # each chunk is written before the next starts (an interrupted run loses one chunk)
-        for batch in _batches(todo, 4 * batch_size):
-            encoded = [encode_chat(tokenizer, p) for _, p in batch]
-            result = batch_generate(model, tokenizer, encoded, max_tokens=max_tokens, return_token_ids=True,
-                                    completion_batch_size=batch_size, prefill_batch_size=batch_size)
-            for (index, _), prompt_ids, response in zip(batch, encoded, result.token_ids):
-                response = list(response)
-                if len(response) < max_tokens and tokenizer.eos_token_id is not None:
-                    response.append(tokenizer.eos_token_id)  # it stopped on EOS: the draft must learn to stop
-                record = {"id": index, "prompt_len": len(prompt_ids), "tokens": prompt_ids + response}
-                sink.write(json.dumps(record) + "\n")
+        for batch in _batches(todo, batch_size):  # each batch is written before the next starts
+            responses = greedy_batch(model, [ids for _, ids in batch], max_tokens, eos_ids)
+            for (index, prompt_ids), response in zip(batch, responses):
+                sink.write(json.dumps({"id": index, "prompt_len": len(prompt_ids), "tokens": prompt_ids + response}) + "\n")
             sink.flush()
             bar.update(len(batch))
+            bar.set_postfix(tokens=sum(len(r) for r in responses))
     return out
