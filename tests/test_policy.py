@@ -1,9 +1,10 @@
-"""The adaptive block policy: plain decoding when drafts lose, full blocks when they win."""
+"""The adaptive block policy: plain decoding when drafts lose, full blocks when they win,
+short blocks when a verify costs more with each token and the draft is weak."""
 
 from tiny_models import VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import generate
-from mlx_dflash.policy import PROBE_START, WARMUP_CYCLES, BlockPolicy
+from mlx_dflash.policy import PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes
 from mlx_dflash.replay import ReplayProposer
 
 
@@ -27,9 +28,33 @@ def test_poor_draft_falls_back_to_plain_decoding_and_probes_rarely():
 
 
 def test_good_draft_keeps_full_blocks():
-    policy = BlockPolicy(16)
-    chosen = drive(policy, lambda b: 8, lambda b: 2.0 if b == 16 else 1.0, 100)
+    policy = BlockPolicy(16)  # verify cost flat in the block size (a GPU): full blocks win
+    chosen = drive(policy, lambda b: 12, lambda b: 1.0, 100)
     assert chosen[20:].count(16) == 80
+
+
+def test_weak_draft_with_growing_verify_cost_picks_short_blocks():
+    policy = BlockPolicy(16)  # cost grows with the block (a CPU); 3 tokens per full block
+    chosen = drive(policy, lambda b: 3, lambda b: 1.0 + 0.1 * (b - 1), 200)
+    # rates E[min(L, b)] / cost(b): 1 -> 1.0, 2 -> 1.82, 4 -> 2.31, 8 -> 1.76, 16 -> 1.2
+    assert chosen[50:].count(4) > 0.9 * 150
+    assert abs(policy.expected_tokens(4) - 3.0) < 1e-9 and abs(policy.expected_tokens(2) - 2.0) < 1e-9
+
+
+def test_slot_statistics_use_short_blocks_too():
+    policy = BlockPolicy(16)
+    for _ in range(10):
+        policy.record(4, 4, 0.1)  # all 3 drafted slots accepted: slot 4 never checked
+        policy.record(4, 2, 0.1)  # slot 1 accepted, slot 2 rejected
+    assert policy.slot_checked[1:5] == [20, 20, 10, 0]
+    assert policy.slot_accepted[1:5] == [20, 10, 10, 0]
+    assert abs(policy.expected_tokens(4) - (1 + 1 + 0.5 + 0.5)) < 1e-9
+
+
+def test_candidate_sizes():
+    assert candidate_sizes(16) == [1, 2, 4, 8, 16]
+    assert candidate_sizes(10) == [1, 2, 4, 8, 10]
+    assert candidate_sizes(1) == [1]
 
 
 def test_adaptive_output_is_unchanged(tiny_dir):

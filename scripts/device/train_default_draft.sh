@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Trains the shipped draft for SmolLM2-135M-Instruct on the lent H200 (MLX CUDA), in two
-# device calls (each must stay under 10 minutes): STAGE=data, then STAGE=train.
+# Trains the shipped draft for SmolLM2-135M-Instruct on the lent H200 (MLX CUDA), in three
+# device calls (each must stay under 10 minutes): STAGE=data, STAGE=train, then
+# STAGE=train RESUME_STEPS=3000 TRAIN_SECONDS=400 (the shipped draft: step 2,833).
 # Staging (from the checkout root, see ../shared/device/README.md):
 #   bash ../shared/device/stage-mlx-cuda ~/.cache/mlx-dflash/gguf/smollm2-135m.gguf
 #   device calls: `bash .device/X/keep.sh` for each staged folder but b, then carry .device/b
 #   and run `STAGE=data bash scripts/device/train_default_draft.sh`, then STAGE=train.
-# Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH.
+# Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH; RESUME_STEPS continues a trained run.
 set -uo pipefail
 source .device/b/env.sh
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
@@ -16,16 +17,22 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { tr '\r' '\n' | grep -Ev '(prompt|step)/s(, [a-z]+=[^]]*)?\]$' ; }
 if [ "${STAGE:-data}" = data ]; then
   # self-distillation data from every stdlib prompt (resumable: a timeout keeps finished chunks)
-  time timeout "${DATA_SECONDS:-300}" python3 -m mlx_dflash.cli data --model smollm2-135m --out $W/data \
+  time timeout "${DATA_SECONDS:-400}" python3 -m mlx_dflash.cli data --model smollm2-135m --out $W/data \
     --max-tokens 384 --batch-size "${BATCH:-512}" 2>&1 | quiet | tail -3
   python3 -c "
 import json; r=[json.loads(l) for l in open('$W/data/sequences.jsonl')]
 print(f'sequences: {len(r)}, response tokens: {sum(len(x[\"tokens\"]) - x[\"prompt_len\"] for x in r)}')"
   gzip -c $W/data/sequences.jsonl | split -b 15M - "$OUT"/sequences.jsonl.gz.part.
 else
-  time python3 -m mlx_dflash.cli train --model smollm2-135m --data $W/data --out $W/run --layers "${LAYERS:-5}" \
-    --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 \
-    --save-every 1000 --time-budget "${TRAIN_SECONDS:-360}" 2>&1 | quiet | tail -8
+  if [ -n "${RESUME_STEPS:-}" ]; then  # a second call: continue the run, cosine stretched to RESUME_STEPS
+    time python3 -m mlx_dflash.cli train --model smollm2-135m --data $W/data --out $W/run --resume \
+      --steps "$RESUME_STEPS" --time-budget "${TRAIN_SECONDS:-400}" 2>&1 | quiet | tail -4
+  else
+    time python3 -m mlx_dflash.cli train --model smollm2-135m --data $W/data --out $W/run --layers "${LAYERS:-5}" \
+      --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 \
+      --save-every 1000 --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
+  fi
+  rm -rf $W/ship
   # shipped forms: bfloat16 and 8-bit; one tarball in <=15 MB pieces (files back are capped at 16 MB)
   python3 -c "
 import mlx.core as mx; from mlx_dflash.draft import load_draft, save_draft

@@ -1,12 +1,15 @@
 """Adaptive block size: never much slower than plain decoding when the draft is poor.
 
 Each cycle the engine asks for a block size and reports back what it got and how
-long the cycle took. The policy keeps the acceptance-length histogram of full
-blocks and the measured seconds per cycle of each block size it has used, and
-picks the size with the most expected tokens per second: E[min(L, b)] / cost(b).
-Block size 1 is plain decoding (no draft pass). While plain decoding wins, a full
-block is still tried now and then (probing less often each time it loses) so the
-policy notices when the text becomes predictable.
+long the cycle took. The policy estimates, per draft slot k, the chance that slot k
+is accepted given that slots 1..k-1 were, and the measured seconds per cycle of
+each candidate size (1, 2, 4, 8, ... up to the draft's block); it picks the size with
+the most expected tokens per second, E[min(L, b)] / cost(b). Block size 1 is plain
+decoding (no draft pass). Where a verify costs the same for 1 or 16 tokens (a GPU)
+full blocks win; where it grows with the block (a CPU) a weak draft is best used
+with short blocks. While a smaller size wins, a full block is still tried now and
+then (less often each time it loses) so the policy notices when the text becomes
+predictable.
 """
 
 from __future__ import annotations
@@ -16,10 +19,21 @@ PROBE_MAX = 256
 WARMUP_CYCLES = 4  # full blocks first, to learn the draft's acceptance
 
 
+def candidate_sizes(max_block: int) -> list[int]:
+    """Plain decoding, the powers of two below the draft's block, and the block itself."""
+    sizes, size = [], 1
+    while size < max_block:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_block]
+
+
 class BlockPolicy:
     def __init__(self, max_block: int):
         self.max_block = max_block
-        self.histogram = [0] * (max_block + 1)  # acceptance lengths seen with full blocks
+        self.sizes = candidate_sizes(max_block)
+        self.slot_checked = [0] * max_block  # slot k: cycles whose slots 1..k-1 were all accepted
+        self.slot_accepted = [0] * max_block
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
         self.samples: dict[int, int] = {}  # block size -> cycles seen (the first is not timed)
         self.cycles = 0
@@ -27,32 +41,48 @@ class BlockPolicy:
         self.since_probe = 0
 
     def expected_tokens(self, block: int) -> float:
-        total = sum(self.histogram)
-        if not total:
-            return float(block)
-        return sum(count * min(length, block) for length, count in enumerate(self.histogram)) / total
+        """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it)."""
+        expected, reach = 1.0, 1.0
+        for k in range(1, block):
+            checked = self.slot_checked[k]
+            reach *= self.slot_accepted[k] / checked if checked else 1.0  # unseen slots: optimistic
+            expected += reach
+        return expected
 
     def rate(self, block: int) -> float:
         return self.expected_tokens(block) / self.seconds[block]
+
+    def best(self) -> int:
+        return max(self.sizes, key=self.rate)  # ties: the smaller block (listed first)
 
     def choose(self) -> int:
         if self.max_block == 1:
             return 1
         if self.cycles < WARMUP_CYCLES or self.max_block not in self.seconds:
             return self.max_block
-        if 1 not in self.seconds:
-            return 1
-        if self.rate(self.max_block) >= self.rate(1):
-            return self.max_block
+        untimed = [size for size in self.sizes if size not in self.seconds]
+        if untimed:
+            return untimed[0]
+        best = self.best()
+        if best == self.max_block:
+            return best
         self.since_probe += 1
-        if self.since_probe >= self.probe_every:  # plain decoding is winning: look again now and then
+        if self.since_probe >= self.probe_every:  # a smaller size is winning: look again now and then
             self.since_probe = 0
             return self.max_block
-        return 1
+        return best
 
     def record(self, block: int, acceptance: int, seconds: float) -> None:
         """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall time."""
         self.cycles += 1
+        accepted = acceptance - 1
+        for k in range(1, accepted + 1):
+            self.slot_checked[k] += 1
+            self.slot_accepted[k] += 1
+        if accepted + 1 < block:  # the first rejected slot
+            self.slot_checked[accepted + 1] += 1
+        if block not in self.sizes:  # a block cut short by max_tokens: no cost to learn
+            return
         self.samples[block] = self.samples.get(block, 0) + 1
         # A size's first cycle carries one-off costs (CPU, SmolLM2: 19 ms for the first 16-block
         # vs ~200 steady, 142 ms for the first plain step vs ~80); such outliers steered the
@@ -60,9 +90,8 @@ class BlockPolicy:
         if self.samples[block] > 1:
             old = self.seconds.get(block)
             self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        if block == self.max_block:
-            self.histogram[acceptance] += 1
-            if 1 in self.seconds and self.rate(self.max_block) < self.rate(1):
+        if block == self.max_block and len(self.seconds) == len(self.sizes):
+            if self.best() != self.max_block:
                 self.probe_every = min(2 * self.probe_every, PROBE_MAX)
             else:
                 self.probe_every = PROBE_START

@@ -211,7 +211,7 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
     state_file = out / "checkpoint" / "state.json"
     if resume and state_file.is_file():
         state = json.loads(state_file.read_text())
-        cfg = TrainConfig(**{**state["config"], "steps": cfg.steps})
+        cfg = TrainConfig(**{**state["config"], "steps": cfg.steps, "time_budget": cfg.time_budget})
         start_step = state["step"]
         draft = load_draft(str(out / "draft"), dtype=mx.float32)
     elif resume:
@@ -263,7 +263,7 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
         bar.update(1)
         if cfg.time_budget and step + 1 - start_step == PROBE_STEPS:  # fit the run into the budget
             per_step = (time.perf_counter() - tic) / PROBE_STEPS
-            cfg.steps = max(step + 1, min(cfg.steps, int(cfg.time_budget / per_step)))
+            cfg.steps = max(step + 1, min(cfg.steps, start_step + int(cfg.time_budget / per_step)))
             bar.total = cfg.steps
             bar.write(f"{per_step * 1000:.0f} ms/step: {cfg.steps} steps fit in the {cfg.time_budget:.0f} s budget")
         last = step + 1 == cfg.steps
