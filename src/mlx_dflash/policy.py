@@ -7,16 +7,16 @@ each candidate size (1, 2, 4, 8, ... up to the draft's block); it picks the size
 the most expected tokens per second, E[min(L, b)] / cost(b). Block size 1 is plain
 decoding (no draft pass). Where a verify costs the same for 1 or 16 tokens (a GPU)
 full blocks win; where it grows with the block (a CPU) a weak draft is best used
-with short blocks. While a smaller size wins, a full block is still tried now and
-then (less often each time it loses) so the policy notices when the text becomes
-predictable.
+with short blocks. While a smaller size wins, the next size up is still tried now
+and then (less often each time it loses; a cheaper probe than a full block) so the
+policy notices, one size at a time, when the text becomes predictable.
 """
 
 from __future__ import annotations
 
 PROBE_START = 16  # cycles between probes, doubled after each losing probe
 PROBE_MAX = 256
-WARMUP_CYCLES = 4  # full blocks first, to learn the draft's acceptance
+WARMUP_CYCLES = 2  # full blocks first (the first is not timed), to learn the draft's acceptance
 
 
 def candidate_sizes(max_block: int) -> list[int]:
@@ -39,6 +39,7 @@ class BlockPolicy:
         self.cycles = 0
         self.probe_every = PROBE_START
         self.since_probe = 0
+        self.probing: int | None = None  # the size being probed, one above the best
 
     def expected_tokens(self, block: int) -> float:
         """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it)."""
@@ -53,23 +54,33 @@ class BlockPolicy:
         return self.expected_tokens(block) / self.seconds[block]
 
     def best(self) -> int:
-        return max(self.sizes, key=self.rate)  # ties: the smaller block (listed first)
+        """The fastest timed size (ties: the smaller block, listed first)."""
+        return max((size for size in self.sizes if size in self.seconds), key=self.rate)
+
+    def worth_timing(self, block: int) -> bool:
+        """A cycle of any size costs at least a plain step, so a size whose expected tokens
+        per plain step cannot beat the best rate so far is never tried (a useless draft
+        then costs no exploration beyond the warm-up)."""
+        return self.expected_tokens(block) / self.seconds[1] > self.rate(self.best())
 
     def choose(self) -> int:
         if self.max_block == 1:
             return 1
         if self.cycles < WARMUP_CYCLES or self.max_block not in self.seconds:
             return self.max_block
-        untimed = [size for size in self.sizes if size not in self.seconds]
+        if 1 not in self.seconds:
+            return 1
+        untimed = [size for size in self.sizes if size not in self.seconds and self.worth_timing(size)]
         if untimed:
             return untimed[0]
         best = self.best()
         if best == self.max_block:
             return best
         self.since_probe += 1
-        if self.since_probe >= self.probe_every:  # a smaller size is winning: look again now and then
+        if self.since_probe >= self.probe_every:  # a smaller size is winning: look one size up now and then
             self.since_probe = 0
-            return self.max_block
+            self.probing = self.sizes[self.sizes.index(best) + 1]
+            return self.probing
         return best
 
     def record(self, block: int, acceptance: int, seconds: float) -> None:
@@ -90,8 +101,7 @@ class BlockPolicy:
         if self.samples[block] > 1:
             old = self.seconds.get(block)
             self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        if block == self.max_block and len(self.seconds) == len(self.sizes):
-            if self.best() != self.max_block:
-                self.probe_every = min(2 * self.probe_every, PROBE_MAX)
-            else:
-                self.probe_every = PROBE_START
+        if block == self.probing:  # a probe lost: look less often; it won: it is the new best
+            self.probing = None
+            won = self.best() >= block
+            self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
