@@ -20,7 +20,7 @@ from mlx_dflash.bench import humaneval_prompts
 from mlx_dflash.data import encode_chat
 from mlx_dflash.engine import DFlashProposer
 from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
-from mlx_dflash.target import Target
+from mlx_dflash.target import Target, float_dtype
 
 parser = argparse.ArgumentParser()
 parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -32,8 +32,8 @@ args = parser.parse_args()
 
 model, tok = load_target(args.model)
 tok.eos_token_ids = set()
-float_dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
-draft = load_draft(args.draft or shipped_draft(args.model), dtype=float_dtype)
+draft_dtype = float_dtype(model)
+draft = load_draft(args.draft or shipped_draft(args.model), dtype=draft_dtype)
 text = json.loads(open(args.prompts).readline())["prompt"] if args.prompts else humaneval_prompts()[0]
 prompt = encode_chat(tok, text)
 target = Target(model, draft.config.target_layer_ids)
@@ -72,7 +72,7 @@ def phases(block: int, cycles: int = 12) -> dict:
     return {k: round(1000 * v / cycles, 1) for k, v in total.items()}
 
 
-print(f"{args.model} on {mx.default_device()}, draft dtype {float_dtype}", flush=True)
+print(f"{args.model} on {mx.default_device()}, draft dtype {draft_dtype}", flush=True)
 for block in args.blocks:
     for attempt in range(2):
         r = generate(model, tok, prompt, draft, max_tokens=args.tokens, block_size=block)

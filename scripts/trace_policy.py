@@ -18,6 +18,7 @@ from mlx_dflash.policy import BlockPolicy
 from mlx_dflash.bench import humaneval_prompts, run_mlx_lm
 from mlx_dflash.data import encode_chat
 from mlx_dflash.models import DEFAULT_MODEL
+from mlx_dflash.target import float_dtype
 
 parser = argparse.ArgumentParser()
 parser.add_argument("draft")
@@ -25,7 +26,7 @@ parser.add_argument("--tokens", type=int, default=256)
 args = parser.parse_args()
 
 model, tok = load_target(DEFAULT_MODEL)
-draft = load_draft(args.draft, dtype=mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16)
+draft = load_draft(args.draft, dtype=float_dtype(model))
 tok.eos_token_ids = set()
 cycles: list[tuple[int, int, int]] = []
 

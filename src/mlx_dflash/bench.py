@@ -248,7 +248,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
         if cfg.warmup:  # compile kernels and fill allocator caches before anything is timed
             tokenizer.eos_token_ids = set()  # the warm-up must run its full length
             reference = run_mlx_lm(model, tokenizer, prompts[0], 300)[0]
-            for proposer in proposers.values():
+            for proposer in {id(p): p for p in proposers.values()}.values():  # one draft, several methods: once
                 warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size)
             tokenizer.eos_token_ids = set() if cfg.no_eos else saved_eos
         jobs = [(p, n, r) for n in cfg.lengths for p in range(len(prompts)) for r in range(cfg.repeats)]

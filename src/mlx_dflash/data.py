@@ -26,7 +26,6 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-
 from tqdm import tqdm
 
 from .errors import DFlashError
@@ -48,6 +47,8 @@ TEMPLATES = [
     "I need to {lower_doc} Write a well-commented Python solution.",
     "Write a JavaScript function equivalent to Python's `{qualname}`: {doc}",
 ]
+
+
 def _first_sentence(doc: str) -> Optional[str]:
     line = doc.strip().split("\n\n")[0].replace("\n", " ").strip()
     if not 20 <= len(line) <= 200 or line.startswith((">>>", "(", "[")):
@@ -78,17 +79,16 @@ def _documented_objects(module_name: str, module) -> Iterator[tuple[str, str, st
 def stdlib_prompts(seed: int = 0) -> list[str]:
     """Deterministic, de-duplicated prompts from this Python's standard-library docstrings."""
     prompts = []
-    for module_name in sorted(sys.stdlib_module_names):
-        if module_name.startswith("_") or module_name in SKIPPED_MODULES:
-            continue
-        try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")  # some modules warn about their own deprecation
-                module = importlib.import_module(module_name)
-        except Exception:  # not built on this platform
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # some modules and docstrings warn about their own deprecation
+        for module_name in sorted(sys.stdlib_module_names):
+            if module_name.startswith("_") or module_name in SKIPPED_MODULES:
+                continue
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    module = importlib.import_module(module_name)
+            except Exception:  # not built on this platform
+                continue
             for name, qualname, doc in _documented_objects(module_name, module):
                 fields = {"doc": doc, "name": name, "qualname": qualname, "lower_doc": doc[0].lower() + doc[1:]}
                 prompts += [t.format(**fields) for t in TEMPLATES]
@@ -186,8 +186,8 @@ def greedy_batch(model, prompts: list[list[int]], max_tokens: int, eos_ids: set[
             break
     responses = np.stack(steps, axis=1).tolist()
     for row in responses:
-        ends = [i for i, t in enumerate(row) if t in eos_ids]
-        del row[ends[0] + 1 if ends else len(row) :]
+        end = next((i for i, t in enumerate(row) if t in eos_ids), len(row) - 1)
+        del row[end + 1 :]
     return responses
 
 

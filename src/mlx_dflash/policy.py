@@ -57,11 +57,11 @@ class BlockPolicy:
         """The fastest timed size (ties: the smaller block, listed first)."""
         return max((size for size in self.sizes if size in self.seconds), key=self.rate)
 
-    def worth_timing(self, block: int) -> bool:
+    def worth_timing(self, block: int, best_rate: float) -> bool:
         """A cycle of any size costs at least a plain step, so a size whose expected tokens
         per plain step cannot beat the best rate so far is never tried (a useless draft
         then costs no exploration beyond the warm-up)."""
-        return self.expected_tokens(block) / self.seconds[1] > self.rate(self.best())
+        return self.expected_tokens(block) / self.seconds[1] > best_rate
 
     def choose(self) -> int:
         if self.max_block == 1:
@@ -70,10 +70,11 @@ class BlockPolicy:
             return self.max_block
         if 1 not in self.seconds:
             return 1
-        untimed = [size for size in self.sizes if size not in self.seconds and self.worth_timing(size)]
+        best = self.best()
+        best_rate = self.rate(best)
+        untimed = [size for size in self.sizes if size not in self.seconds and self.worth_timing(size, best_rate)]
         if untimed:
             return untimed[0]
-        best = self.best()
         if best == self.max_block:
             return best
         self.since_probe += 1
