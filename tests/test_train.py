@@ -1,5 +1,6 @@
 """Training on the CPU with tiny models: mask, loss going down, reload, resume."""
 
+import ast
 import json
 
 import mlx.core as mx
@@ -7,9 +8,11 @@ import numpy as np
 import pytest
 from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
 
+from mlx.utils import tree_flatten
+
 from mlx_dflash import create_random_draft, generate, load_draft
 from mlx_dflash.data import build_dataset, greedy_batch, read_sequences, stdlib_prompts
-from mlx_dflash.train import TrainConfig, context_visibility, make_batch, train
+from mlx_dflash.train import TrainConfig, context_visibility, make_batch, read_training_records, train
 
 
 def test_context_visibility_matches_brute_force():
@@ -65,6 +68,16 @@ def test_stdlib_prompts_are_offline_and_not_benchmarks():
     assert not any("HumanEval" in p or "has_close_elements" in p for p in prompts)
 
 
+def test_completion_prompts_hold_valid_python_headers():
+    """The code-completion prompts show a function header and docstring that parse as Python."""
+    completions = [p for p in stdlib_prompts() if "```python\n" in p]
+    assert len(completions) > 1000
+    for prompt in completions[:200]:
+        code = prompt.split("```python\n")[1].split("\n```")[0]
+        tree = ast.parse(code)
+        assert isinstance(tree.body[0], ast.FunctionDef) and ast.get_docstring(tree.body[0])
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
 def test_batched_greedy_equals_mlx_lm_greedy(tiny_dir, family):
     """Left-padded static batches (KV, rotating and recurrent caches) give each prompt's
@@ -108,7 +121,7 @@ def test_tiny_training_run_loss_falls_and_draft_reloads(tiny_data, tmp_path):
     model, tokenizer = load_tiny(path)
     cfg = TrainConfig(layers=1, block_size=8, mask_token_id=MASK_ID, steps=40, batch_size=4, anchors=16,
                       lr=3e-3, eval_every=0, eval_prompts=2, eval_tokens=16, save_every=0)
-    draft_dir = train(model, tokenizer, str(data), str(tmp_path / "run"), cfg)
+    draft_dir = train(model, tokenizer, [str(data)], str(tmp_path / "run"), cfg)
     losses = [h["loss"] for h in cfg.history if "loss" in h]
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
     assert (tmp_path / "run" / "training.png").stat().st_size > 0
@@ -125,14 +138,39 @@ def test_resume_continues_from_the_saved_step(tiny_data, tmp_path):
     base = dict(layers=1, block_size=8, mask_token_id=MASK_ID, batch_size=2, anchors=8, eval_every=0,
                 eval_prompts=0, save_every=5)
     out = tmp_path / "run"
-    train(model, tokenizer, str(data), str(out), TrainConfig(**base, steps=5))
+    train(model, tokenizer, [str(data)], str(out), TrainConfig(**base, steps=5))
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["step"] == 5
     cfg = TrainConfig(**base, steps=8)
-    train(model, tokenizer, str(data), str(out), cfg, resume=True)
+    train(model, tokenizer, [str(data)], str(out), cfg, resume=True)
     steps = [h["step"] for h in json.loads((out / "history.json").read_text()) if "loss" in h]
     assert steps == list(range(1, 9))  # 1..5 from the first run, 6..8 after resuming
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 8
+
+
+def test_init_starts_from_the_given_draft(tiny_data, tmp_path):
+    """--init: the run starts from a trained draft's weights (its first step has learning rate 0,
+    so a one-step run returns them unchanged) and with its shape, not the config's."""
+    path, data = tiny_data
+    model, tokenizer = load_tiny(path)
+    base = dict(mask_token_id=MASK_ID, batch_size=2, anchors=8, eval_every=0, eval_prompts=0, save_every=0)
+    first = train(model, tokenizer, [str(data)], str(tmp_path / "first"), TrainConfig(**base, layers=1,
+                                                                                    block_size=8, steps=6))
+    cfg = TrainConfig(**base, layers=3, block_size=4, steps=1)
+    second = train(model, tokenizer, [str(data)], str(tmp_path / "second"), cfg, init=str(first))
+    before, after = load_draft(str(first)), load_draft(str(second))
+    assert after.config.num_hidden_layers == 1 and after.config.block_size == 8
+    for (name, a), (_, b) in zip(tree_flatten(before.parameters()), tree_flatten(after.parameters())):
+        assert mx.array_equal(a, b), name
+
+
+def test_training_reads_several_data_folders(tiny_data, tmp_path):
+    _, data = tiny_data
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "sequences.jsonl").write_text((data / "sequences.jsonl").read_text())
+    one, two = read_training_records([str(data)]), read_training_records([str(data), str(copy)])
+    assert len(one) > 0 and two == one + one
 
 
 def test_time_budget_shortens_the_run(tiny_data, tmp_path):
@@ -140,5 +178,5 @@ def test_time_budget_shortens_the_run(tiny_data, tmp_path):
     model, tokenizer = load_tiny(path)
     cfg = TrainConfig(layers=1, block_size=8, mask_token_id=MASK_ID, steps=1000, batch_size=2, anchors=4,
                       eval_every=0, eval_prompts=0, save_every=0, time_budget=1e-6)
-    train(model, tokenizer, str(data), str(tmp_path / "run"), cfg)
+    train(model, tokenizer, [str(data)], str(tmp_path / "run"), cfg)
     assert cfg.steps == 10 and len([h for h in cfg.history if "loss" in h]) == 10

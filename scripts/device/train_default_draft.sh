@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Trains the shipped draft for SmolLM2-135M-Instruct on the lent H200 (MLX CUDA), in three
-# device calls (each must stay under 10 minutes): STAGE=data, STAGE=train, then
-# STAGE=train RESUME_STEPS=3000 TRAIN_SECONDS=400 (the shipped draft: step 2,833).
+# Trains the shipped draft for SmolLM2-135M-Instruct on the lent H200 (MLX CUDA). Each device
+# call must stay under 10 minutes, so the work is split into stages (env STAGE):
+#   STAGE=data         self-distillation data from every stdlib prompt -> $OUT/sequences.jsonl.gz.part.*
+#   STAGE=data PROMPTS=completion   only the code-completion prompts (into $W/completion)
+#   STAGE=train        train a new draft on $W/data (+ $W/completion when present)
+#   STAGE=train RESUME_STEPS=N      continue that run, cosine stretched to N steps
+#   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
+# A data set from an earlier session comes back as .device/g/sequences.jsonl.gz (carry .device/g).
 # Staging (from the checkout root, see ../shared/device/README.md):
 #   bash ../shared/device/stage-mlx-cuda ~/.cache/mlx-dflash/gguf/smollm2-135m.gguf
 #   device calls: `bash .device/X/keep.sh` for each staged folder but b, then carry .device/b
-#   and run `STAGE=data bash scripts/device/train_default_draft.sh`, then STAGE=train.
-# Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH; RESUME_STEPS continues a trained run.
+#   and run e.g. `STAGE=data bash scripts/device/train_default_draft.sh`.
+# Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH.
 set -uo pipefail
 source .device/b/env.sh
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
@@ -15,20 +20,34 @@ W=/tmp/work; mkdir -p $W $MLX_DFLASH_HOME/gguf
 python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { tr '\r' '\n' | grep -Ev '(prompt|step)/s(, [a-z]+=[^]]*)?\]$' ; }
+if [ -f .device/g/sequences.jsonl.gz ] && [ ! -f $W/data/sequences.jsonl ]; then
+  mkdir -p $W/data && zcat .device/g/sequences.jsonl.gz > $W/data/sequences.jsonl
+fi
 if [ "${STAGE:-data}" = data ]; then
-  # self-distillation data from every stdlib prompt (resumable: a timeout keeps finished chunks)
-  time timeout "${DATA_SECONDS:-400}" python3 -m mlx_dflash.cli data --model smollm2-135m --out $W/data \
-    --max-tokens 384 --batch-size "${BATCH:-512}" 2>&1 | quiet | tail -3
+  # self-distillation data (resumable: a timeout keeps finished chunks)
+  DATA=$W/data; PROMPT_ARGS=()
+  if [ "${PROMPTS:-all}" = completion ]; then
+    DATA=$W/completion; PROMPT_ARGS=(--prompts $W/completion.jsonl)
+    python3 -c "
+import json; from mlx_dflash.data import stdlib_prompts
+print(''.join(json.dumps({'prompt': p}) + '\\n' for p in stdlib_prompts() if '\`\`\`python' in p), end='')" > $W/completion.jsonl
+    wc -l $W/completion.jsonl
+  fi
+  time timeout "${DATA_SECONDS:-400}" python3 -m mlx_dflash.cli data --model smollm2-135m --out $DATA \
+    "${PROMPT_ARGS[@]}" --max-tokens 384 --batch-size "${BATCH:-512}" 2>&1 | quiet | tail -3
   python3 -c "
-import json; r=[json.loads(l) for l in open('$W/data/sequences.jsonl')]
+import json; r=[json.loads(l) for l in open('$DATA/sequences.jsonl')]
 print(f'sequences: {len(r)}, response tokens: {sum(len(x[\"tokens\"]) - x[\"prompt_len\"] for x in r)}')"
-  gzip -c $W/data/sequences.jsonl | split -b 15M - "$OUT"/sequences.jsonl.gz.part.
+  gzip -c $DATA/sequences.jsonl | split -b 15M - "$OUT"/$(basename $DATA).jsonl.gz.part.
 else
+  DATA_DIRS=($W/data); [ -f $W/completion/sequences.jsonl ] && DATA_DIRS+=($W/completion)
   if [ -n "${RESUME_STEPS:-}" ]; then  # a second call: continue the run, cosine stretched to RESUME_STEPS
-    time python3 -m mlx_dflash.cli train --model smollm2-135m --data $W/data --out $W/run --resume \
+    time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $W/run --resume \
       --steps "$RESUME_STEPS" --time-budget "${TRAIN_SECONDS:-400}" 2>&1 | quiet | tail -4
   else
-    time python3 -m mlx_dflash.cli train --model smollm2-135m --data $W/data --out $W/run --layers "${LAYERS:-5}" \
+    INIT_ARGS=(--layers "${LAYERS:-5}"); [ -n "${INIT:-}" ] && INIT_ARGS=(--init "$INIT")
+    rm -rf $W/run
+    time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $W/run "${INIT_ARGS[@]}" \
       --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 \
       --save-every 1000 --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
   fi

@@ -200,8 +200,11 @@ def _add_train(sub) -> None:
     d = TrainConfig()
     p = sub.add_parser("train", help="train a DFlash draft on a `mlx-dflash data` set")
     p.add_argument("--model", default=None, help="target (default: the embedded default model)")
-    p.add_argument("--data", required=True, help="folder made by `mlx-dflash data`")
+    p.add_argument("--data", required=True, nargs="+", help="folder(s) made by `mlx-dflash data`")
     p.add_argument("--out", required=True, help="output folder: draft/, checkpoint/, training.png")
+    p.add_argument("--init", default=None,
+                   help="start from this draft's weights (fine-tune it) instead of random ones; "
+                        "its layers, block size and tapped layers are kept")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--target-layers", type=int, nargs="+", default=None, help="tapped target layers")
@@ -229,6 +232,8 @@ def _run_train(args) -> None:
     for name in ("layers", "block_size", "steps", "batch_size", "anchors", "max_len"):
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.init and args.resume:
+        raise DFlashError("--init starts a new run and --resume continues one: pass only one")
     if not 0 < args.lr < 1:
         raise DFlashError(f"--lr must be in (0, 1), got {args.lr}")
     cfg = TrainConfig(
@@ -238,7 +243,7 @@ def _run_train(args) -> None:
         eval_prompts=args.eval_prompts, save_every=args.save_every, seed=args.seed, time_budget=args.time_budget,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
-    print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume))
+    print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume, init=args.init))
 
 
 def _add_bench(sub) -> None:

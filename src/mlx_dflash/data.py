@@ -13,6 +13,7 @@ your own (a .jsonl with a "prompt" field per line, or plain text, one per line).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import inspect
@@ -47,6 +48,11 @@ TEMPLATES = [
     "I need to {lower_doc} Write a well-commented Python solution.",
     "Write a JavaScript function equivalent to Python's `{qualname}`: {doc}",
 ]
+# Code-completion requests: a function header and its docstring, to be written out whole.
+COMPLETION_TEMPLATES = [
+    "Complete this Python function. Return the full implementation in one code block.\n\n```python\n{header}\n```",
+    "Finish the implementation below.\n\n```python\n{header}\n```",
+]
 
 
 def _first_sentence(doc: str) -> Optional[str]:
@@ -56,9 +62,29 @@ def _first_sentence(doc: str) -> Optional[str]:
     return line if line.endswith(".") else line + "."
 
 
-def _documented_objects(module_name: str, module) -> Iterator[tuple[str, str, str]]:
-    """(name, qualname, first docstring sentence) of a module's own public functions, classes
-    and class methods (re-exports from other modules are skipped: they repeat)."""
+def _function_header(name: str, obj) -> Optional[str]:
+    """``def name(signature):`` with the docstring's first paragraphs, or None when the
+    signature is unknown (many builtins) or does not print as Python (``<object at 0x...>``)."""
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return None
+    params = [p for p in signature.parameters.values() if p.name not in ("self", "cls")]
+    doc = "\n\n".join((inspect.getdoc(obj) or "").split("\n\n")[:2]).strip().replace('"""', "'''")
+    if not 20 <= len(doc) <= 800:
+        return None
+    body = "\n".join("    " + line if line.strip() else "" for line in doc.splitlines())
+    header = f'def {name}{signature.replace(parameters=params)}:\n    """\n{body}\n    """'
+    try:
+        ast.parse(header)
+    except SyntaxError:
+        return None
+    return header
+
+
+def _documented_objects(module_name: str, module) -> Iterator[tuple[str, str, str, object]]:
+    """(name, qualname, first docstring sentence, object) of a module's own public functions,
+    classes and class methods (re-exports from other modules are skipped: they repeat)."""
     for name, obj in sorted(vars(module).items()):
         if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
             continue
@@ -73,7 +99,7 @@ def _documented_objects(module_name: str, module) -> Iterator[tuple[str, str, st
         for short, qualname, member in members:
             doc = _first_sentence(inspect.getdoc(member) or "")
             if doc is not None:
-                yield short, qualname, doc
+                yield short, qualname, doc, member
 
 
 def stdlib_prompts(seed: int = 0) -> list[str]:
@@ -89,9 +115,12 @@ def stdlib_prompts(seed: int = 0) -> list[str]:
                     module = importlib.import_module(module_name)
             except Exception:  # not built on this platform
                 continue
-            for name, qualname, doc in _documented_objects(module_name, module):
+            for name, qualname, doc, obj in _documented_objects(module_name, module):
                 fields = {"doc": doc, "name": name, "qualname": qualname, "lower_doc": doc[0].lower() + doc[1:]}
                 prompts += [t.format(**fields) for t in TEMPLATES]
+                header = None if inspect.isclass(obj) else _function_header(name, obj)
+                if header is not None:
+                    prompts += [t.format(header=header) for t in COMPLETION_TEMPLATES]
     prompts = sorted(set(prompts))
     random.Random(seed).shuffle(prompts)
     return prompts

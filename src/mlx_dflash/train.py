@@ -27,9 +27,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .data import read_sequences
-from .draft import DFlashDraft, create_random_draft, load_draft, save_draft
+from .draft import DFlashDraft, create_random_draft, dequantize_draft, load_draft, save_draft
 from .errors import DFlashError
-from .target import Target, text_args
+from .target import Target, check_compatible, text_args
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 PROBE_STEPS = 10  # steps timed before a time budget sets the run's length
@@ -198,13 +198,24 @@ def plot_history(history: list[dict], path: Path) -> None:
 # The loop
 
 
-def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig, resume: bool = False) -> Path:
-    """Train a draft for ``target_model`` on ``data_dir``; returns the draft folder."""
+def read_training_records(data_dirs: list[str]) -> list[dict]:
+    """The sequences of every data folder, in a fixed order (folder, then id), that have a
+    response of at least two tokens."""
+    records = []
+    for data_dir in data_dirs:
+        records += sorted(read_sequences(data_dir), key=lambda r: r["id"])
+    return [r for r in records if len(r["tokens"]) - r["prompt_len"] >= 2]
+
+
+def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: TrainConfig, resume: bool = False,
+          init: Optional[str] = None) -> Path:
+    """Train a draft for ``target_model`` on the sequences in ``data_dirs``; returns the draft folder.
+
+    ``init``: start from this draft's weights (fine-tuning, e.g. on new data) instead of random ones."""
     out = Path(out_dir)
-    records = sorted(read_sequences(data_dir), key=lambda r: r["id"])
-    records = [r for r in records if len(r["tokens"]) - r["prompt_len"] >= 2]
+    records = read_training_records(data_dirs)
     if len(records) <= cfg.eval_prompts:
-        raise DFlashError(f"{data_dir} has {len(records)} usable sequences; need more than {cfg.eval_prompts}")
+        raise DFlashError(f"{', '.join(data_dirs)}: {len(records)} usable sequences; need more than {cfg.eval_prompts}")
     held_out, records = records[-cfg.eval_prompts :] if cfg.eval_prompts else [], records[: len(records) - cfg.eval_prompts]
 
     start_step = 0
@@ -216,6 +227,14 @@ def train(target_model, tokenizer, data_dir: str, out_dir: str, cfg: TrainConfig
         draft = load_draft(str(out / "draft"), dtype=mx.float32)
     elif resume:
         raise DFlashError(f"nothing to resume in {out}")
+    elif init:
+        draft = load_draft(init)
+        if any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules()):
+            draft = dequantize_draft(draft, mx.float32)
+        draft.set_dtype(mx.float32)
+        check_compatible(draft, target_model)
+        cfg.layers, cfg.block_size = draft.config.num_hidden_layers, draft.block_size
+        cfg.target_layer_ids, cfg.mask_token_id = draft.config.target_layer_ids, draft.config.mask_token_id
     else:
         if cfg.mask_token_id is None:
             cfg.mask_token_id = choose_mask_token(tokenizer, text_args(target_model).vocab_size)
