@@ -196,29 +196,30 @@ def _save(plt, fig, path: Path) -> Path:
 
 
 def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer, block_size: Optional[int]) -> None:
-    """Run every acceptance length (and so every shape of a cycle) once before timing.
+    """Run every block size the adaptive policy may pick, with every acceptance length (and
+    so every shape of a cycle), once before timing.
 
     First uses are slow (kernel JIT, allocator; on MLX CUDA also attention graphs per shape,
     see mlx_dflash/__init__.py): on an H200 the first DFlash generation ran at 173 ms/cycle
-    and the next ones at 14 ms/cycle. A replay that cycles through acceptance lengths 1..bs,
-    running the real draft each cycle, covers every cycle shape.
+    and the next ones at 14 ms/cycle, and the first adaptive generation with an 8-bit draft
+    stalled for ~20 s (twice, after warm-ups that covered 16-token blocks and 64 adaptive
+    tokens, not the smaller sizes). A replay that cycles through acceptance lengths 1..b at
+    block size b, running the real draft each cycle, covers every cycle shape of that size.
     """
     from .draft import DFlashDraft
     from .engine import DFlashProposer
+    from .policy import candidate_sizes
     from .replay import ReplayProposer
     from .target import text_args
 
     if _is_factory(proposer):  # replay factory: build one to reach its cost model
         proposer = proposer(list(prompt) + reference)
-    bs = block_size or proposer.block_size
     real = DFlashProposer(proposer) if isinstance(proposer, DFlashDraft) else getattr(proposer, "cost_of", None)
-    schedule = list(range(bs - 1)) + [None]
     vocab = text_args(model).vocab_size
-    replay = ReplayProposer(list(prompt) + reference, bs, schedule, vocab, cost_of=real)
-    run_dflash(model, tokenizer, prompt, min(len(reference), 1 + bs * (bs + 1) // 2 + 2 * bs), replay, bs)
-    # The adaptive loop's plain steps go through the tapped target one token at a time: a
-    # shape of its own. Unwarmed, one H200 run paid a 19.9 s stall for its first 74 tokens.
-    run_dflash(model, tokenizer, prompt, 64, proposer, bs, adaptive=True)
+    for size in candidate_sizes(block_size or proposer.block_size):
+        schedule = list(range(size - 1)) + [None]
+        replay = ReplayProposer(list(prompt) + reference, size, schedule, vocab, cost_of=real)
+        run_dflash(model, tokenizer, prompt, min(len(reference), 1 + size * (size + 1) // 2 + 2 * size), replay, size)
 
 
 def _is_factory(proposer) -> bool:
