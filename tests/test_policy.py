@@ -74,13 +74,17 @@ def test_adaptive_output_is_unchanged(tiny_dir):
         assert result.tokens == reference[:100]
 
 
-def test_short_generations_with_cut_blocks(tiny_dir):
-    """Blocks cut short by max_tokens (never a full one) must not confuse the policy."""
+def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):
+    """With fewer tokens wanted than a block, the policy picks candidate sizes that fit, so
+    each block's cost is learned (blocks cut short never were: the policy kept drafting)."""
     policy = BlockPolicy(16)
-    for block in (11, 3, 1, 1, 1, 1, 1):
-        assert policy.choose() in (1, 16)
-        policy.record(block, 1, 0.01)
-    assert policy.choose() == 16  # no full block measured yet: measure one
+    chosen = []
+    for wanted in range(15, 0, -1):  # a 16-token generation: one token per cycle (useless draft)
+        block = policy.choose(limit=wanted)
+        assert block in candidate_sizes(16) and block <= wanted
+        chosen.append(block)
+        policy.record(block, 1, 0.01 * (1 + block))
+    assert chosen[:WARMUP_CYCLES] == [8] * WARMUP_CYCLES and chosen[-8:] == [1] * 8
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-short", "qwen3", "short", 40)
     for max_tokens in range(1, 20):
         proposer = ReplayProposer(prompt + reference, 16, [2], VOCAB_SIZE)

@@ -136,7 +136,8 @@ def decode_cycles(
 
     def next_block(uncounted: int = 0) -> int:
         """The next block's size; ``uncounted``: tokens of the current cycle not yet in ``emitted``."""
-        return min(policy.choose() if policy else block_size, max_tokens - emitted - uncounted)
+        wanted = max_tokens - emitted - uncounted
+        return policy.choose(limit=wanted) if policy else min(block_size, wanted)
 
     # Plain decoding (block size 1) needs no accept count to pick its next input, so, like
     # mlx-lm's generate_step, its next step is queued before the host waits for this one.

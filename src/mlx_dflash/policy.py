@@ -53,9 +53,9 @@ class BlockPolicy:
     def rate(self, block: int) -> float:
         return self.expected_tokens(block) / self.seconds[block]
 
-    def best(self) -> int:
-        """The fastest timed size (ties: the smaller block, listed first)."""
-        return max((size for size in self.sizes if size in self.seconds), key=self.rate)
+    def best(self, sizes: list[int]) -> int:
+        """The fastest timed size among ``sizes`` (ties: the smaller block, listed first)."""
+        return max((size for size in sizes if size in self.seconds), key=self.rate)
 
     def worth_timing(self, block: int, best_rate: float) -> bool:
         """A cycle of any size costs at least a plain step, so a size whose expected tokens
@@ -63,24 +63,28 @@ class BlockPolicy:
         then costs no exploration beyond the warm-up)."""
         return self.expected_tokens(block) / self.seconds[1] > best_rate
 
-    def choose(self) -> int:
-        if self.max_block == 1:
+    def choose(self, limit: int | None = None) -> int:
+        """The next block size, at most ``limit`` (the tokens still wanted): every block is
+        then a whole candidate size whose cost can be learned, also in short generations."""
+        sizes = [size for size in self.sizes if limit is None or size <= limit]
+        largest = sizes[-1]
+        if largest == 1:
             return 1
-        if self.cycles < WARMUP_CYCLES or self.max_block not in self.seconds:
-            return self.max_block
+        if self.cycles < WARMUP_CYCLES or not any(size > 1 for size in self.seconds):
+            return largest  # warm-up: the largest block that fits, until one drafting size is timed
         if 1 not in self.seconds:
             return 1
-        best = self.best()
+        best = self.best(sizes)
         best_rate = self.rate(best)
-        untimed = [size for size in self.sizes if size not in self.seconds and self.worth_timing(size, best_rate)]
+        untimed = [size for size in sizes if size not in self.seconds and self.worth_timing(size, best_rate)]
         if untimed:
             return untimed[0]
-        if best == self.max_block:
+        if best == largest:
             return best
         self.since_probe += 1
         if self.since_probe >= self.probe_every:  # a smaller size is winning: look one size up now and then
             self.since_probe = 0
-            self.probing = self.sizes[self.sizes.index(best) + 1]
+            self.probing = sizes[sizes.index(best) + 1]
             return self.probing
         return best
 
@@ -93,7 +97,7 @@ class BlockPolicy:
             self.slot_accepted[k] += 1
         if accepted + 1 < block:  # the first rejected slot
             self.slot_checked[accepted + 1] += 1
-        if block not in self.sizes:  # a block cut short by max_tokens: no cost to learn
+        if block not in self.sizes:  # a block of another size (a caller's own limit): no cost to learn
             return
         self.samples[block] = self.samples.get(block, 0) + 1
         # A size's first cycle carries one-off costs (CPU, SmolLM2: 19 ms for the first 16-block
@@ -104,5 +108,5 @@ class BlockPolicy:
             self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if block == self.probing:  # a probe lost: look less often; it won: it is the new best
             self.probing = None
-            won = self.best() >= block
+            won = self.best(self.sizes) >= block
             self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
