@@ -61,6 +61,21 @@ def test_quantize_saves_a_loadable_smaller_draft(files, tmp_path, capsys):
     assert "already quantized" in capsys.readouterr().err
 
 
+def test_draft_vocab_saves_a_draft_that_drafts_from_frequent_tokens(files, tmp_path, capsys):
+    target, draft = files
+    data = tmp_path / "data"
+    data.mkdir()
+    records = [{"id": i, "prompt_len": 2, "tokens": [1, 2] + [40 + i % 3] * 5 + [90]} for i in range(4)]
+    (data / "sequences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "draft-vocab"
+    assert main(["draft-vocab", draft, str(out), "--data", str(data), "--size", "3"]) == 0
+    assert json.loads((out / "draft_vocab.json").read_text()) == [40, 41, 42]  # 90 is rarer: left out
+    assert main(["generate", "--model", target, "--draft", str(out), "--prompt", "hi", "--max-tokens", "8"]) == 0
+    assert main(["draft-vocab", draft, str(out), "--data", str(tmp_path / "none"), "--size", "3"]) == 2
+    assert main(["draft-vocab", draft, str(out), "--data", str(data), "--size", "0"]) == 2
+    assert "sequences.jsonl" in capsys.readouterr().err
+
+
 def test_draft_quant_flag(files, capsys):
     target, draft = files
     assert main(["generate", "--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "8",

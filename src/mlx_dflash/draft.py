@@ -29,6 +29,7 @@ from .errors import DFlashError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> list[int]:
@@ -68,6 +69,9 @@ class DraftConfig:
     # ``context_sink`` and the last ``context_window`` committed positions only. None: all.
     context_window: Optional[int] = None
     context_sink: int = 4
+    # Draft vocabulary (our extension, in draft_vocab.json): the token ids greedy drafts are
+    # chosen from, e.g. the 8,192 most frequent in the training responses. None: all.
+    draft_vocab: Optional[list[int]] = None
     extra: dict = field(default_factory=dict)  # unknown fields, written back on save
 
     @classmethod
@@ -402,6 +406,7 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DFlashError(f"{config_path} is not valid JSON: {exc}") from None
     config = DraftConfig.from_dict(raw)
+    config.draft_vocab = _read_draft_vocab(path, config.vocab_size)
     weight_files = sorted(path.glob("*.safetensors"))
     if not weight_files:
         raise DFlashError(f"{path} has no *.safetensors weights")
@@ -461,7 +466,26 @@ def save_draft(draft: DFlashDraft, path: str | Path) -> Path:
     weights = dict(tree_flatten(draft.parameters()))
     mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
     (path / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
+    vocab_file = path / DRAFT_VOCAB_FILE
+    if draft.config.draft_vocab:
+        vocab_file.write_text(json.dumps(draft.config.draft_vocab) + "\n")
+    elif vocab_file.exists():
+        vocab_file.unlink()
     return path
+
+
+def _read_draft_vocab(path: Path, vocab_size: int) -> Optional[list[int]]:
+    file = path / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return None
+    try:
+        ids = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"{file} is not valid JSON: {exc}") from None
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+            and len(set(ids)) == len(ids)):
+        raise DFlashError(f"{file} must be a non-empty list of distinct token ids in 0..{vocab_size - 1}")
+    return ids
 
 
 def create_random_draft(

@@ -50,25 +50,36 @@ class DFlashProposer:
         self.layer_ids = draft.config.target_layer_ids
         self.block_size = draft.block_size
         self.mask_id = mx.array([draft.config.mask_token_id], dtype=mx.uint32)
+        vocab = draft.config.draft_vocab
+        self.draft_vocab = mx.array(vocab, dtype=mx.uint32) if vocab else None
 
     def start(self, target: Target) -> None:
         self.target = target
         self.cache = self.draft.make_cache()
         self.pending: list[mx.array] = []
+        # greedy drafts pick among the draft vocabulary only (when it has one): a smaller head
+        self.vocab_head = target.head_rows(self.draft_vocab) if self.draft_vocab is not None else None
 
     def add_context(self, features: mx.array) -> None:
         self.pending.append(self.draft.project_context(features))
 
-    def draft_logits(self, first_token: mx.array, num_tokens: int) -> mx.array:
-        """Logits [num_tokens, V] for the block slots after ``first_token`` (one draft pass)."""
+    def _slot_hidden(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        """Final hidden states [1, num_tokens, H] of the block slots after ``first_token``."""
         block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
         new_context = mx.concatenate(self.pending, axis=1) if self.pending else None
         self.pending = []
-        hidden = self.draft(self.target.embed(block[None]), new_context, self.cache)
-        return self.target.head(hidden[:, 1:])[0]
+        return self.draft(self.target.embed(block[None]), new_context, self.cache)[:, 1:]
+
+    def draft_logits(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        """Logits [num_tokens, V] over the whole vocabulary (one draft pass): what sampling needs."""
+        return self.target.head(self._slot_hidden(first_token, num_tokens))[0]
 
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
-        return mx.argmax(self.draft_logits(first_token, num_tokens), axis=-1)
+        """Greedy drafts (one draft pass), from the draft vocabulary if it has one."""
+        if self.vocab_head is None:
+            return mx.argmax(self.draft_logits(first_token, num_tokens), axis=-1)
+        logits = self.vocab_head(self._slot_hidden(first_token, num_tokens))[0]
+        return self.draft_vocab[mx.argmax(logits, axis=-1)]
 
 
 @dataclass

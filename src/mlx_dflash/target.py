@@ -12,8 +12,9 @@ inputs of their recurrent layers so that the accepted tokens can be replayed.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -153,11 +154,29 @@ class Target:
             h = h * mx.array(self.args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
         return h
 
+    def _output_layer(self) -> tuple[nn.Module, bool]:
+        """(the output projection, whether it is the tied input embedding)."""
+        if getattr(self.args, "tie_word_embeddings", False) or not hasattr(self.text_model, "lm_head"):
+            return self.model.model.embed_tokens, True
+        return self.text_model.lm_head, False
+
     def head(self, hidden: mx.array) -> mx.array:
         """Logits from final-normed hidden states (tied or untied output head)."""
-        if getattr(self.args, "tie_word_embeddings", False) or not hasattr(self.text_model, "lm_head"):
-            return self.model.model.embed_tokens.as_linear(hidden)
-        return self.text_model.lm_head(hidden)
+        layer, tied = self._output_layer()
+        return layer.as_linear(hidden) if tied else layer(hidden)
+
+    def head_rows(self, token_ids: mx.array) -> Callable[[mx.array], mx.array]:
+        """The head restricted to ``token_ids``: column j of its logits is ``head``'s column
+        ``token_ids[j]``. A copy of the output layer (plain or quantized) with only those
+        rows: a draft proposes from a few thousand frequent tokens, and the full 49k-248k-way
+        head is most of a small draft's pass (BENCHMARKS.md, "Draft vocabulary")."""
+        layer, tied = self._output_layer()
+        rows = copy.copy(layer)
+        for name in ("weight", "scales", "biases", "bias"):
+            if name in layer:
+                rows[name] = layer[name][token_ids]
+        mx.eval(rows.parameters())
+        return rows.as_linear if tied else rows
 
     # -- forward and cache ----------------------------------------------
     def make_cache(self) -> list[Any]:

@@ -56,6 +56,7 @@ class TrainConfig:
     save_every: int = 500
     seed: int = 0
     time_budget: Optional[float] = None  # seconds: fewer steps when the first ones show they won't fit
+    draft_vocab: Optional[int] = None  # greedy drafts choose among this many frequent response tokens
     history: list = field(default_factory=list)  # filled while training; saved with checkpoints
 
     def loss_gamma(self) -> float:
@@ -207,6 +208,16 @@ def read_training_records(data_dirs: list[str]) -> list[dict]:
     return [r for r in records if len(r["tokens"]) - r["prompt_len"] >= 2]
 
 
+def frequent_tokens(records: list[dict], size: int) -> list[int]:
+    """The ``size`` most frequent response tokens of ``records`` (sorted ids): a draft
+    vocabulary. In SmolLM2-135M's own responses the top 8,192 of 49,152 ids cover 99.95%
+    of the tokens, so drafting from them loses almost nothing and skips 5/6 of the head."""
+    responses = np.concatenate([np.asarray(r["tokens"][r["prompt_len"]:], np.int64) for r in records])
+    counts = np.bincount(responses)
+    top = np.argsort(-counts, kind="stable")[:size]
+    return sorted(int(t) for t in top if counts[t] > 0)
+
+
 def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: TrainConfig, resume: bool = False,
           init: Optional[str] = None) -> Path:
     """Train a draft for ``target_model`` on the sequences in ``data_dirs``; returns the draft folder.
@@ -244,6 +255,8 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         )
         draft.config.context_window = cfg.max_len  # it never sees more context than this in training
         draft.set_dtype(mx.float32)
+    if cfg.draft_vocab and not start_step:
+        draft.config.draft_vocab = frequent_tokens(records, cfg.draft_vocab)
     target = Target(target_model, draft.config.target_layer_ids)
     target_model.freeze()
 

@@ -1,0 +1,68 @@
+"""Draft vocabularies: a head restricted to frequent tokens, saved beside the draft."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from tiny_models import MASK_ID, load_tiny, make_tiny_target, tiny_pair
+
+from mlx_dflash import create_random_draft, generate, load_draft
+from mlx_dflash.draft import save_draft
+from mlx_dflash.engine import DFlashProposer
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.target import Target
+from mlx_dflash.train import frequent_tokens
+
+
+@pytest.mark.parametrize("tie, quantize", [(True, False), (False, False), (True, True), (False, True)])
+def test_head_rows_equal_the_full_heads_columns(tiny_dir, tie, quantize):
+    """Tied embedding or separate lm_head, plain or quantized: the same logits, fewer columns."""
+    model, _ = load_tiny(make_tiny_target(tiny_dir / f"rows-{tie}", "qwen3", tie=tie))
+    if quantize:
+        nn.quantize(model, group_size=32, bits=8)
+    target = Target(model, [0])
+    hidden = mx.random.normal((1, 5, target.args.hidden_size))
+    ids = mx.array([3, 7, 8, 40, 100], dtype=mx.uint32)
+    full = target.head(hidden)
+    assert mx.allclose(target.head_rows(ids)(hidden), full[..., ids], atol=1e-5)
+
+
+def test_proposals_come_from_the_draft_vocabulary_and_output_stays_exact(tiny_dir):
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "vocab-qwen3", "qwen3", "def add(a, b):", 30)
+    path = tiny_dir / "vocab-qwen3"
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, block_size=8, mask_token_id=MASK_ID)
+    vocab = list(range(0, config["vocab_size"], 3))
+    draft.config.draft_vocab = vocab
+    proposer = DFlashProposer(draft)
+    target = Target(model, draft.config.target_layer_ids)
+    proposer.start(target)
+    _, features = target(mx.array(prompt)[None], target.make_cache())
+    proposer.add_context(features)
+    drafted = proposer.propose(mx.array([5], dtype=mx.uint32), 7).tolist()
+    assert all(t in vocab for t in drafted)
+    result = generate(model, tokenizer, prompt, draft, max_tokens=30)
+    assert result.tokens == reference
+
+
+def test_draft_vocabulary_round_trips_and_bad_files_fail_clearly(tiny_dir, tmp_path):
+    config = json.loads((make_tiny_target(tiny_dir / "vocab-io", "qwen3") / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    draft.config.draft_vocab = [1, 2, 30]
+    save_draft(draft, tmp_path / "d")
+    assert load_draft(str(tmp_path / "d")).config.draft_vocab == [1, 2, 30]
+    assert json.loads((tmp_path / "d" / "config.json").read_text()).get("draft_vocab") is None  # published format
+    for bad in ("[1, 1]", "[-1]", f"[{config['vocab_size']}]", "{", "[]"):
+        (tmp_path / "d" / "draft_vocab.json").write_text(bad)
+        with pytest.raises(DFlashError, match="draft_vocab.json"):
+            load_draft(str(tmp_path / "d"))
+    draft.config.draft_vocab = None
+    save_draft(draft, tmp_path / "d")  # saving without one removes a stale file
+    assert load_draft(str(tmp_path / "d")).config.draft_vocab is None
+
+
+def test_frequent_tokens_counts_responses_only():
+    records = [{"prompt_len": 2, "tokens": [9, 9, 5, 5, 5, 7]}, {"prompt_len": 1, "tokens": [9, 7, 3]}]
+    assert frequent_tokens(records, 2) == [5, 7]
+    assert frequent_tokens(records, 10) == [3, 5, 7]
