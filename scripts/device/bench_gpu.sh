@@ -4,7 +4,9 @@
 # Same staging as train_default_draft.sh, plus .device/b/humaneval.jsonl
 # (python -m mlx_dflash.bench_prompts > .device/b/humaneval.jsonl).
 # DRAFT: a draft folder (default: the one trained by train_default_draft.sh if this machine
-# still has it, else the shipped one). PART=default|scale picks half of the runs.
+# still has it, else the shipped one). PART=default|scale|speculative picks a part; NO_EOS=1
+# generates the full lengths. PART=speculative needs the two Qwen2.5-Coder models staged as
+# extra files (see scripts/device/stage_qwen_pair.sh).
 set -uo pipefail
 source .device/b/env.sh
 R=/tmp/results; rm -rf $R; mkdir -p $R  # packed into one file at the end ($OUT takes at most 8)
@@ -16,7 +18,8 @@ D=${DRAFT:-/tmp/work/ship/bf16}; [ -d "$D" ] || D=src/mlx_dflash/drafts/smollm2-
 echo "draft: $D"
 nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 quiet() { tr '\r' '\n' | grep -v 'run/s\]$'; }
-bench() { python3 -m mlx_dflash.cli bench "$@" 2>&1 | quiet | grep -E '^\||^\{|error' ; }
+EOS_ARGS=(); [ -n "${NO_EOS:-}" ] && EOS_ARGS=(--no-eos)
+bench() { python3 -m mlx_dflash.cli bench "${EOS_ARGS[@]}" "$@" 2>&1 | quiet | grep -E '^\||^\{|error' ; }
 if [ "${PART:-default}" = default ]; then
   # trained by train_default_draft.sh on this machine: ship/q8 (what ships) and ship/bf16
   Q8=${D%/bf16}/q8; [ -d "$Q8" ] || Q8=$D
@@ -33,6 +36,17 @@ cfg = json.load(open(glob.glob('$MLX_DFLASH_HOME/models/smollm2-135m*/config.jso
 save_draft(create_random_draft(cfg, num_layers=5, block_size=16, mask_token_id=16), '/tmp/random_draft')"
   bench --model smollm2-135m --draft /tmp/random_draft --prompts .device/b/humaneval.jsonl \
     --num-prompts 4 --lengths 1024 --out "$R/default_random_draft"
+elif [ "${PART}" = speculative ]; then
+  # mlx-lm's speculative decoding (Qwen2.5-Coder-0.5B drafting for the 1.5B, both 4-bit) next to
+  # plain decoding and DFlash with a random draft (no trained DFlash draft for this target yet)
+  mkdir -p /tmp/models && tar xf "$DEVICE_FILES/qwen-pair-q4.tar" -C /tmp/models
+  python3 -c "
+from mlx_dflash.draft import create_random_draft, save_draft; import json
+cfg = json.load(open('/tmp/models/qwen2.5-coder-1.5b/config.json'))
+save_draft(create_random_draft(cfg, num_layers=5, block_size=16, mask_token_id=cfg['vocab_size'] - 1), '/tmp/qwen_random_draft')"
+  echo "== Qwen2.5-Coder-1.5B 4-bit: mlx-lm speculative (0.5B draft, 3 tokens) =="
+  bench --model /tmp/models/qwen2.5-coder-1.5b --ar-draft /tmp/models/qwen2.5-coder-0.5b --draft /tmp/qwen_random_draft \
+    --prompts .device/b/humaneval.jsonl --num-prompts "${NUM_PROMPTS:-4}" --lengths ${LENGTHS:-256 1024} --out "$R/speculative"
 else
   # a full replay generation at this shape did not finish in 540 s (per-token recurrence on CUDA)
   echo "== Qwen3.5-9B shape, bf16, per-cycle costs =="

@@ -6,7 +6,7 @@
 #   STAGE=train        train a new draft on $W/data (+ $W/completion when present)
 #   STAGE=train RESUME_STEPS=N      continue that run, cosine stretched to N steps
 #   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
-# A data set from an earlier session comes back as .device/g/sequences.jsonl.gz (carry .device/g).
+# A data set from an earlier session comes back as .device/data/sequences.jsonl.gz (carry .device/data).
 # Staging (from the checkout root, see ../shared/device/README.md):
 #   bash ../shared/device/stage-mlx-cuda ~/.cache/mlx-dflash/gguf/smollm2-135m.gguf
 #   device calls: `bash .device/X/keep.sh` for each staged folder but b, then carry .device/b
@@ -20,8 +20,8 @@ W=/tmp/work; mkdir -p $W $MLX_DFLASH_HOME/gguf
 python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { tr '\r' '\n' | grep -Ev '(prompt|step)/s(, [a-z]+=[^]]*)?\]$' ; }
-if [ -f .device/g/sequences.jsonl.gz ] && [ ! -f $W/data/sequences.jsonl ]; then
-  mkdir -p $W/data && zcat .device/g/sequences.jsonl.gz > $W/data/sequences.jsonl
+if [ -f .device/data/sequences.jsonl.gz ] && [ ! -f $W/data/sequences.jsonl ]; then
+  mkdir -p $W/data && zcat .device/data/sequences.jsonl.gz > $W/data/sequences.jsonl
 fi
 if [ "${STAGE:-data}" = data ]; then
   # self-distillation data (resumable: a timeout keeps finished chunks)

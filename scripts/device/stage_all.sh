@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Stages everything the device scripts use; run from the checkout root on this machine:
+#   bash scripts/device/stage_all.sh            (QWEN_PAIR=0: without the Qwen pair)
+# .device/a, .device/b: MLX (CUDA) + mlx-lm, HumanEval prompts (.device/b/humaneval.jsonl);
+# .device/c, .device/d: SmolLM2-135M's GGUF; .device/q01...: the Qwen2.5-Coder 0.5B/1.5B pair
+# in 4-bit (for bench_gpu.sh PART=speculative), 55 MiB a folder; .device/data: a saved
+# training set (TRAINING_DATA, a sequences.jsonl.gz) for train_default_draft.sh.
+# Then, on the device: `bash .device/X/keep.sh` with .device/X carried, for a, then every
+# other folder with a keep.sh, then the script itself with .device/b (and .device/data)
+# carried: env.sh re-joins the pieces under $DEVICE_FILES. See ../shared/device/README.md.
+set -euo pipefail
+export MLX_DFLASH_HOME=${MLX_DFLASH_HOME:-$HOME/.cache/mlx-dflash}
+mlx-dflash models fetch smollm2-135m >/dev/null
+bash ../shared/device/stage-mlx-cuda "$MLX_DFLASH_HOME/gguf/smollm2-135m.gguf"
+python -m mlx_dflash.bench_prompts > .device/b/humaneval.jsonl
+if [ "${QWEN_PAIR:-1}" = 1 ]; then
+  pair=$(mktemp -d)
+  for model in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do
+    ln -s "$(mlx-dflash models fetch $model --dtype bfloat16 --quantize 4 | tail -1)" "$pair/$model"
+  done
+  tar chf - -C "$pair" qwen2.5-coder-0.5b qwen2.5-coder-1.5b | split -b 55M - "$pair/qwen-pair-q4.tar.split."
+  n=0
+  for piece in "$pair"/qwen-pair-q4.tar.split.*; do
+    n=$((n + 1)); dir=.device/q$(printf %02d $n); mkdir -p $dir
+    mv "$piece" $dir/ && cp .device/c/keep.sh $dir/
+  done
+  rm -rf "$pair"
+fi
+data=${TRAINING_DATA:-$HOME/.cache/mlx-dflash-training-data/session3-stdlib-sequences.jsonl.gz}
+if [ -f "$data" ]; then mkdir -p .device/data && cp "$data" .device/data/sequences.jsonl.gz; fi
+du -sh .device/* | tr '\n' ' '; echo
