@@ -49,7 +49,7 @@ else
     rm -rf $W/run
     time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $W/run "${INIT_ARGS[@]}" \
       --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 \
-      --save-every 1000 --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
+      --save-every 1000 --draft-vocab 8192 --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
   fi
   rm -rf $W/ship
   # shipped forms: bfloat16 and 8-bit; one tarball in <=15 MB pieces (files back are capped at 16 MB)

@@ -451,9 +451,13 @@ def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
     return plain
 
 
+def is_quantized(draft: DFlashDraft) -> bool:
+    return any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules())
+
+
 def quantize_draft(draft: DFlashDraft, bits: int, group_size: int = 64) -> None:
     """Quantize the draft's linear layers in place (its norms stay in float)."""
-    if any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules()):
+    if is_quantized(draft):
         raise DFlashError("this draft is already quantized")
     nn.quantize(draft, group_size=group_size, bits=bits)
     draft.config.extra["quantization"] = {"group_size": group_size, "bits": bits}

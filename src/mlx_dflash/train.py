@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from .data import read_sequences
-from .draft import DFlashDraft, create_random_draft, dequantize_draft, load_draft, save_draft
+from .draft import DFlashDraft, create_random_draft, dequantize_draft, is_quantized, load_draft, save_draft
 from .errors import DFlashError
 from .target import Target, check_compatible, text_args
 
@@ -240,7 +240,7 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         raise DFlashError(f"nothing to resume in {out}")
     elif init:
         draft = load_draft(init)
-        if any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules()):
+        if is_quantized(draft):
             draft = dequantize_draft(draft, mx.float32)
         draft.set_dtype(mx.float32)
         check_compatible(draft, target_model)
