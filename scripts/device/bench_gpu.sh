@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Benchmarks on the lent H200 (MLX CUDA): the default pair on HumanEval (8-bit and bf16
 # draft, and a random draft as the worst case), and scale mode (Qwen3.5-9B replay, a 4-bit target with bf16/8-bit drafts).
-# Same staging as train_default_draft.sh, plus .device/b/humaneval.jsonl
-# (python -m mlx_dflash.bench_prompts > .device/b/humaneval.jsonl).
+# Staging: scripts/device/stage_all.sh (it also writes .device/b/humaneval.jsonl).
 # DRAFT: a draft folder (default: the one trained by train_default_draft.sh if this machine
 # still has it, else the shipped one). PART=default|scale|speculative picks a part; NO_EOS=1
 # generates the full lengths. PART=speculative needs the two Qwen2.5-Coder models staged as
-# extra files (see scripts/device/stage_qwen_pair.sh).
+# pieces .device/q01... (stage_all.sh), kept on the machine before the .device/b call.
 set -uo pipefail
 source .device/b/env.sh
 R=/tmp/results; rm -rf $R; mkdir -p $R  # packed into one file at the end ($OUT takes at most 8)

@@ -7,9 +7,8 @@
 #   STAGE=train RESUME_STEPS=N      continue that run, cosine stretched to N steps
 #   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
 # A data set from an earlier session comes back as .device/data/sequences.jsonl.gz (carry .device/data).
-# Staging (from the checkout root, see ../shared/device/README.md):
-#   bash ../shared/device/stage-mlx-cuda ~/.cache/mlx-dflash/gguf/smollm2-135m.gguf
-#   device calls: `bash .device/X/keep.sh` for each staged folder but b, then carry .device/b
+# Staging: `QWEN_PAIR=0 bash scripts/device/stage_all.sh` here (see its header), then on the
+#   device `bash .device/X/keep.sh` for a, c and d, then carry .device/b (and .device/data)
 #   and run e.g. `STAGE=data bash scripts/device/train_default_draft.sh`.
 # Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH.
 set -uo pipefail
