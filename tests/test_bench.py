@@ -67,6 +67,8 @@ def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):
     assert all(c["rollback_ms"] >= 0 and c["verify_plus_rollback_ms"] > 0 for c in costs)
     fast = tmp_path / "costs"
     assert main(["bench", "--scale", "tiny-hybrid", "--costs-only", "--lengths", "32", "--prompt-len", "16",
-                 "--draft-layers", "1", "--out", str(fast)]) == 0
+                 "--draft-layers", "1", "--draft-vocab", "512", "--out", str(fast)]) == 0
     assert not (fast / "results.json").exists()
     assert [c["context_len"] for c in json.loads((fast / "cycle_costs.json").read_text())] == [16, 32]
+    assert main(["bench", "--draft-vocab", "512", "--lengths", "8"]) == 2  # a real draft brings its own
+    assert "scale mode only" in capsys.readouterr().err

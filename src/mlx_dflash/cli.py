@@ -272,6 +272,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--replay-mean", type=float, nargs="+", default=[6.5],
                    help="scale mode: mean acceptance length(s) of the replay")
     p.add_argument("--draft-layers", type=int, default=5, help="scale mode: layers of the random draft")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="scale mode: the random draft drafts from this many token ids (a draft vocabulary)")
     p.add_argument("--prompt-len", type=int, default=128, help="scale mode: random prompt length")
     p.add_argument("--costs-only", action="store_true",
                    help="scale mode: per-cycle costs at each length only, no generations (fast)")
@@ -290,6 +292,8 @@ def _run_bench(args) -> None:
     for name in ("num_prompts", "repeats", "num_draft_tokens", "prompt_len", "draft_layers"):
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.draft_vocab is not None and (args.draft_vocab < 1 or not args.scale):
+        raise DFlashError("--draft-vocab takes a positive count, in scale mode only (a real draft brings its own)")
     if min(args.lengths) < 1:
         raise DFlashError("--lengths must all be at least 1")
     cfg = BenchConfig(lengths=args.lengths, repeats=args.repeats, warmup=not args.no_warmup,
@@ -305,7 +309,8 @@ def _run_bench(args) -> None:
 
         model, config = random_target(args.scale, args.quant)
         tokenizer = null_tokenizer(config["vocab_size"])
-        draft = random_draft(config, layers=args.draft_layers, block_size=args.block_size or 16)
+        draft = random_draft(config, layers=args.draft_layers, block_size=args.block_size or 16,
+                             vocab=args.draft_vocab)
         _set_draft_window(draft, args.draft_window)
         if args.draft_quant:
             from .draft import quantize_draft

@@ -82,9 +82,13 @@ def null_tokenizer(vocab_size: int):
     return TokenizerWrapper(fast, eos_token_ids=[])
 
 
-def random_draft(config: dict, layers: int = 5, block_size: int = 16) -> DFlashDraft:
+def random_draft(config: dict, layers: int = 5, block_size: int = 16, vocab: Optional[int] = None) -> DFlashDraft:
+    """A random bf16 draft; ``vocab``: it drafts from the first ``vocab`` token ids (the cost of
+    a draft vocabulary of that size: with random weights, which ids does not matter)."""
     draft = create_random_draft(config, num_layers=layers, block_size=block_size, mask_token_id=config["vocab_size"] - 1)
     draft.set_dtype(mx.bfloat16)
+    if vocab:
+        draft.config.draft_vocab = list(range(min(vocab, config["vocab_size"])))
     return draft
 
 
