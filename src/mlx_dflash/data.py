@@ -6,8 +6,9 @@ length (the loss covers response tokens only).
 
 Prompts must be available offline and must not overlap the evaluation sets
 (HumanEval, GSM8K, MBPP, MT-Bench). ``stdlib_prompts`` builds them from the
-docstrings of this Python's standard library: always present, code-flavoured
-like our evaluation, and unrelated to any benchmark. ``--prompts FILE`` takes
+docstrings of this Python's standard library (code questions, and requests to
+complete a stdlib function from its header and docstring): always present,
+code-flavoured like our evaluation, and unrelated to any benchmark. ``--prompts FILE`` takes
 your own (a .jsonl with a "prompt" field per line, or plain text, one per line).
 """
 
