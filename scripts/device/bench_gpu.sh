@@ -18,6 +18,12 @@ echo "draft: $D"
 nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 quiet() { tr '\r' '\n' | grep -v 'run/s\]$'; }
 EOS_ARGS=(); [ -n "${NO_EOS:-}" ] && EOS_ARGS=(--no-eos)
+random_draft() {  # CONFIG_JSON MASK_ID OUT: a random 5-layer draft for that target (a useless draft)
+  python3 -c "
+import json, sys; from mlx_dflash.draft import create_random_draft, save_draft
+save_draft(create_random_draft(json.load(open(sys.argv[1])), num_layers=5, block_size=16,
+                               mask_token_id=int(sys.argv[2])), sys.argv[3])" "$@"
+}
 bench() { python3 -m mlx_dflash.cli bench "${EOS_ARGS[@]}" "$@" 2>&1 | quiet | grep -E '^\||^\{|error' ; }
 if [ "${PART:-default}" = default ]; then
   # trained by train_default_draft.sh on this machine: ship/q8 (what ships) and ship/bf16
@@ -29,20 +35,14 @@ if [ "${PART:-default}" = default ]; then
   bench --model smollm2-135m --draft "$D" --prompts .device/b/humaneval.jsonl \
     --num-prompts "${NUM_PROMPTS:-8}" --lengths 1024 --out "$R/default_bf16"
   echo "== default model, a useless (random) draft: the adaptive policy's floor =="
-  python3 -c "
-from mlx_dflash.draft import create_random_draft, save_draft; import json, glob
-cfg = json.load(open(glob.glob('$MLX_DFLASH_HOME/models/smollm2-135m*/config.json')[0]))
-save_draft(create_random_draft(cfg, num_layers=5, block_size=16, mask_token_id=16), '/tmp/random_draft')"
+  random_draft "$(ls $MLX_DFLASH_HOME/models/smollm2-135m*/config.json | head -1)" 16 /tmp/random_draft
   bench --model smollm2-135m --draft /tmp/random_draft --prompts .device/b/humaneval.jsonl \
     --num-prompts 4 --lengths 1024 --out "$R/default_random_draft"
 elif [ "${PART}" = speculative ]; then
   # mlx-lm's speculative decoding (Qwen2.5-Coder-0.5B drafting for the 1.5B, both 4-bit) next to
   # plain decoding and DFlash with a random draft (no trained DFlash draft for this target yet)
   mkdir -p /tmp/models && tar xf "$DEVICE_FILES/qwen-pair-q4.tar" -C /tmp/models
-  python3 -c "
-from mlx_dflash.draft import create_random_draft, save_draft; import json
-cfg = json.load(open('/tmp/models/qwen2.5-coder-1.5b/config.json'))
-save_draft(create_random_draft(cfg, num_layers=5, block_size=16, mask_token_id=cfg['vocab_size'] - 1), '/tmp/qwen_random_draft')"
+  random_draft /tmp/models/qwen2.5-coder-1.5b/config.json 151935 /tmp/qwen_random_draft
   echo "== Qwen2.5-Coder-1.5B 4-bit: mlx-lm speculative (0.5B draft, 3 tokens) =="
   bench --model /tmp/models/qwen2.5-coder-1.5b --ar-draft /tmp/models/qwen2.5-coder-0.5b --draft /tmp/qwen_random_draft \
     --prompts .device/b/humaneval.jsonl --num-prompts "${NUM_PROMPTS:-4}" --lengths ${LENGTHS:-256 1024} --out "$R/speculative"

@@ -472,6 +472,7 @@ def save_draft(draft: DFlashDraft, path: str | Path) -> Path:
     (path / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
     vocab_file = path / DRAFT_VOCAB_FILE
     if draft.config.draft_vocab:
+        check_draft_vocab(draft.config.draft_vocab, draft.config.vocab_size, vocab_file)
         vocab_file.write_text(json.dumps(draft.config.draft_vocab) + "\n")
     elif vocab_file.exists():
         vocab_file.unlink()
@@ -486,10 +487,16 @@ def _read_draft_vocab(path: Path, vocab_size: int) -> Optional[list[int]]:
         ids = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DFlashError(f"{file} is not valid JSON: {exc}") from None
+    check_draft_vocab(ids, vocab_size, file)
+    return ids
+
+
+def check_draft_vocab(ids, vocab_size: int, file: Path) -> None:
+    """The one rule for a draft vocabulary, on reading and on writing it."""
     if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
             and len(set(ids)) == len(ids)):
-        raise DFlashError(f"{file} must be a non-empty list of distinct token ids in 0..{vocab_size - 1}")
-    return ids
+        raise DFlashError(f"{file} must be a non-empty list of distinct token ids in 0..{vocab_size - 1}"
+                          " (token ids of this draft's target)")
 
 
 def create_random_draft(
