@@ -3,8 +3,8 @@
 #   bash scripts/device/stage_all.sh            (QWEN_PAIR=0: without the Qwen pair)
 # .device/a, .device/b: MLX (CUDA) + mlx-lm, HumanEval prompts (.device/b/humaneval.jsonl);
 # .device/c, .device/d: SmolLM2-135M's GGUF; .device/q01...: the Qwen2.5-Coder 0.5B/1.5B pair
-# in 4-bit (for bench_gpu.sh PART=speculative), 55 MiB a folder; .device/data: a saved
-# training set (TRAINING_DATA, a sequences.jsonl.gz) for train_default_draft.sh.
+# in 4-bit (for bench_gpu.sh PARTS=speculative), 55 MiB a folder; .device/data: saved training
+# sets for train_default_draft.sh (TRAINING_DATA and COMPLETION_DATA, sequences.jsonl.gz files).
 # Then, on the device: `bash .device/X/keep.sh` with .device/X carried, for a, then every
 # other folder with a keep.sh, then the script itself with .device/b (and .device/data)
 # carried: env.sh re-joins the pieces under $DEVICE_FILES. See ../shared/device/README.md.
@@ -26,6 +26,9 @@ if [ "${QWEN_PAIR:-1}" = 1 ]; then
   done
   rm -rf "$pair"
 fi
-data=${TRAINING_DATA:-$HOME/.cache/mlx-dflash-training-data/session3-stdlib-sequences.jsonl.gz}
+saved=$HOME/.cache/mlx-dflash-training-data
+data=${TRAINING_DATA:-$saved/session3-stdlib-sequences.jsonl.gz}
 if [ -f "$data" ]; then mkdir -p .device/data && cp "$data" .device/data/sequences.jsonl.gz; fi
+completion=${COMPLETION_DATA:-$saved/session4-completion-sequences.jsonl.gz}
+if [ -f "$completion" ]; then mkdir -p .device/data && cp "$completion" .device/data/completion.jsonl.gz; fi
 du -sh .device/* | tr '\n' ' '; echo

@@ -6,7 +6,8 @@
 #   STAGE=train        train a new draft on $W/data (+ $W/completion when present)
 #   STAGE=train RESUME_STEPS=N      continue that run, cosine stretched to N steps
 #   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
-# A data set from an earlier session comes back as .device/data/sequences.jsonl.gz (carry .device/data).
+#   STAGE=train PROBE=1             first, ms per step side by side (scripts/train_step_costs.py)
+# Data sets from earlier sessions come as .device/data/{sequences,completion}.jsonl.gz (carry .device/data).
 # Staging: `QWEN_PAIR=0 bash scripts/device/stage_all.sh` here (see its header), then on the
 #   device `bash .device/X/keep.sh` for a, c and d, then carry .device/b (and .device/data)
 #   and run e.g. `STAGE=data bash scripts/device/train_default_draft.sh`.
@@ -21,6 +22,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { tr '\r' '\n' | grep -Ev '(prompt|step)/s(, [a-z]+=[^]]*)?\]$' ; }
 if [ -f .device/data/sequences.jsonl.gz ] && [ ! -f $W/data/sequences.jsonl ]; then
   mkdir -p $W/data && zcat .device/data/sequences.jsonl.gz > $W/data/sequences.jsonl
+fi
+if [ -f .device/data/completion.jsonl.gz ] && [ ! -f $W/completion/sequences.jsonl ]; then
+  mkdir -p $W/completion && zcat .device/data/completion.jsonl.gz > $W/completion/sequences.jsonl
 fi
 if [ "${STAGE:-data}" = data ]; then
   # self-distillation data (resumable: a timeout keeps finished chunks)
@@ -40,6 +44,7 @@ print(f'sequences: {len(r)}, response tokens: {sum(len(x[\"tokens\"]) - x[\"prom
   gzip -c $DATA/sequences.jsonl | split -b 15M - "$OUT"/$(basename $DATA).jsonl.gz.part.
 else
   DATA_DIRS=($W/data); [ -f $W/completion/sequences.jsonl ] && DATA_DIRS+=($W/completion)
+  [ -n "${PROBE:-}" ] && python3 scripts/train_step_costs.py --model smollm2-135m --data "${DATA_DIRS[@]}" 2>&1 | quiet | grep ms/step
   if [ -n "${RESUME_STEPS:-}" ]; then  # a second call: continue the run, cosine stretched to RESUME_STEPS
     time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $W/run --resume \
       --steps "$RESUME_STEPS" --time-budget "${TRAIN_SECONDS:-400}" 2>&1 | quiet | tail -4
@@ -51,13 +56,14 @@ else
       --save-every 1000 --draft-vocab 8192 --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
   fi
   rm -rf $W/ship
-  # shipped forms: bfloat16 and 8-bit; one tarball in <=15 MB pieces (files back are capped at 16 MB)
+  # shipped forms: bfloat16 (stays on the machine, for bench_gpu.sh) and 8-bit (comes back with the
+  # training plot and history, in <=15 MB pieces: files back are capped at 16 MB)
   python3 -c "
 import mlx.core as mx; from mlx_dflash.draft import load_draft, save_draft
 save_draft(load_draft('$W/run/draft', dtype=mx.bfloat16), '$W/ship/bf16')"
   python3 -m mlx_dflash.cli quantize $W/ship/bf16 $W/ship/q8 --bits 8
   du -sh $W/ship/*
-  tar cf - -C $W ship | split -b 15M - "$OUT"/ship.tar.part.
-  cp $W/run/training.png $W/run/history.json "$OUT"/
+  cp $W/run/training.png $W/run/history.json $W/ship/
+  tar cf - -C $W ship/q8 ship/training.png ship/history.json | split -b 15M - "$OUT"/ship.tar.part.
 fi
 ls -la "$OUT"

@@ -224,6 +224,8 @@ def _add_train(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="greedy drafts choose among the N most frequent response tokens of the data "
                         "(a smaller head, faster drafts; saved as draft_vocab.json); default: all")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="dtype of the training passes (weights stay float32); default: the target's")
     p.set_defaults(func=_run_train)
 
 
@@ -246,7 +248,7 @@ def _run_train(args) -> None:
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, max_len=args.max_len, lr=args.lr, eval_every=args.eval_every,
         eval_prompts=args.eval_prompts, save_every=args.save_every, seed=args.seed, time_budget=args.time_budget,
-        draft_vocab=args.draft_vocab,
+        draft_vocab=args.draft_vocab, compute_dtype=args.compute_dtype,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume, init=args.init))

@@ -8,6 +8,9 @@ context strictly before its anchor and itself (bidirectionally), never another
 block (``DraftAttention.attend_blocks``). Loss: cross-entropy at block slots k = 1..bs-1 against
 x_(a+k), weighted exp(-(k-1)/gamma). AdamW, warm-up + cosine, grad clipping;
 the target's embedding and head stay frozen (they are not draft parameters).
+Mixed precision: float32 master weights, the passes in the target's dtype (bfloat16
+on GPUs, where float32 matmuls run ~10x slower; float32 on the CPU). A draft with a
+draft vocabulary learns to rank only those tokens, through those rows of the head.
 """
 
 from __future__ import annotations
@@ -17,19 +20,19 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
 from .data import read_sequences
 from .draft import DFlashDraft, create_random_draft, dequantize_draft, is_quantized, load_draft, save_draft
 from .errors import DFlashError
-from .target import Target, check_compatible, text_args
+from .target import Target, check_compatible, float_dtype, text_args
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 PROBE_STEPS = 10  # steps timed before a time budget sets the run's length
@@ -57,6 +60,7 @@ class TrainConfig:
     seed: int = 0
     time_budget: Optional[float] = None  # seconds: fewer steps when the first ones show they won't fit
     draft_vocab: Optional[int] = None  # greedy drafts choose among this many frequent response tokens
+    compute_dtype: Optional[str] = None  # the passes' dtype; default: the target's (master weights stay float32)
     history: list = field(default_factory=list)  # filled while training; saved with checkpoints
 
     def loss_gamma(self) -> float:
@@ -101,7 +105,12 @@ def context_visibility(anchors: mx.array, context_len: int) -> mx.array:
     return mx.arange(context_len)[None, None, :] < anchors[:, :, None]
 
 
-def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: np.random.Generator) -> dict:
+def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: np.random.Generator,
+               vocab_index: Optional[np.ndarray] = None) -> dict:
+    """Token ids, anchors, block inputs, visibility, labels and loss weights of one step.
+
+    ``vocab_index`` (token id -> column of a draft-vocabulary head, -1 if absent): labels
+    become those columns; a label outside the vocabulary gets weight 0."""
     bs = cfg.block_size
     anchors = [sample_anchors(r, cfg.anchors, cfg.max_len, rng) for r in records]
     # Few distinct shapes (anchors fixed, length in steps of 128): MLX CUDA builds and caches
@@ -121,6 +130,10 @@ def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: n
             target = seq[a + 1 : a + bs]
             labels[b, i, : target.size] = target
             weights[b, i, : target.size] = decay[: target.size]
+    if vocab_index is not None:
+        labels = vocab_index[labels]
+        weights[labels < 0] = 0
+        labels = np.maximum(labels, 0)
     block_tokens = np.full((len(records), A, bs), mask_token_id, np.int32)
     block_tokens[:, :, 0] = np.take_along_axis(tokens, anchor_pos, axis=1)
     return {
@@ -133,8 +146,10 @@ def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: n
     }
 
 
-def block_loss(draft: DFlashDraft, target: Target, batch: dict, features: mx.array) -> mx.array:
-    """Decay-weighted cross-entropy of the draft's block predictions."""
+def block_loss(draft: DFlashDraft, target: Target, head: Callable[[mx.array], mx.array], batch: dict,
+               features: mx.array) -> mx.array:
+    """Decay-weighted cross-entropy of the draft's block predictions through ``head`` (the
+    target's, or its draft-vocabulary rows)."""
     B, A = batch["anchors"].shape
     bs = draft.block_size
     hidden = draft.forward_blocks(
@@ -142,7 +157,7 @@ def block_loss(draft: DFlashDraft, target: Target, batch: dict, features: mx.arr
     )
     hidden = hidden.reshape(B, A, bs, -1)[:, :, 1:]
     # the head is most of the FLOPs: run it in the target's dtype (bf16 on GPUs), the loss in float32
-    logits = target.head(hidden.astype(features.dtype)).astype(mx.float32)
+    logits = head(hidden.astype(features.dtype)).astype(mx.float32)
     losses = nn.losses.cross_entropy(logits, batch["labels"], reduction="none")
     return (losses * batch["weights"]).sum() / mx.maximum(batch["weights"].sum(), 1e-6)
 
@@ -259,6 +274,12 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         draft.config.draft_vocab = frequent_tokens(records, cfg.draft_vocab)
     target = Target(target_model, draft.config.target_layer_ids)
     target_model.freeze()
+    head, vocab_index = target.head, None
+    if draft.config.draft_vocab:
+        head = target.head_rows(mx.array(draft.config.draft_vocab))
+        vocab_index = np.full(text_args(target_model).vocab_size, -1, np.int32)
+        vocab_index[draft.config.draft_vocab] = np.arange(len(draft.config.draft_vocab))
+    compute_dtype = getattr(mx, cfg.compute_dtype) if cfg.compute_dtype else float_dtype(target_model)
 
     def schedule(step: mx.array) -> mx.array:
         """Linear warm-up, then cosine to 5%; reads cfg.steps each time (a time budget may change it)."""
@@ -274,21 +295,25 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         saved = mx.load(str(out / "checkpoint" / "optimizer.safetensors"))
         optimizer.state = tree_unflatten(list(saved.items()))
 
-    def loss_fn(model, batch, features):
-        return block_loss(model, target, batch, features)
+    def loss_fn(master: dict, batch: dict, features: mx.array) -> mx.array:
+        """The loss at a ``compute_dtype`` copy of the float32 master weights; its gradients
+        come back in float32 (through the cast)."""
+        draft.update(tree_map(lambda p: p.astype(compute_dtype), master))
+        return block_loss(draft, target, head, batch, features)
 
-    loss_and_grad = nn.value_and_grad(draft, loss_fn)
+    loss_and_grad = mx.value_and_grad(loss_fn)
     rng = np.random.default_rng(cfg.seed + start_step)
     bar = tqdm(initial=start_step, total=cfg.steps, desc="train", unit="step")
     tic = time.perf_counter()
     step = start_step
     while step < cfg.steps:
         picked = rng.choice(len(records), size=min(cfg.batch_size, len(records)), replace=False)
-        batch = make_batch([records[i] for i in picked], cfg, draft.config.mask_token_id, rng)
+        batch = make_batch([records[i] for i in picked], cfg, draft.config.mask_token_id, rng, vocab_index)
         _, features = target(batch["tokens"], None)
-        loss, grads = loss_and_grad(draft, batch, mx.stop_gradient(features))
+        master = draft.trainable_parameters()
+        loss, grads = loss_and_grad(master, batch, mx.stop_gradient(features))
         grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-        optimizer.update(draft, grads)
+        draft.update(optimizer.apply_gradients(grads, master))
         mx.eval(loss, draft.parameters(), optimizer.state)
         cfg.history.append({"step": step + 1, "loss": loss.item(), "seconds": time.perf_counter() - tic})
         bar.set_postfix(loss=f"{loss.item():.3f}")
