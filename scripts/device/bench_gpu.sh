@@ -9,7 +9,7 @@
 # Results: one $OUT/results-PARTS.tgz.
 set -uo pipefail
 source .device/b/env.sh
-R=/tmp/results; rm -rf $R; mkdir -p $R  # packed into one file at the end ($OUT takes at most 8)
+R=$(mktemp -d)  # packed into one file at the end ($OUT takes at most 8)
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
 mkdir -p $MLX_DFLASH_HOME/gguf
 [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/

@@ -249,6 +249,8 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
         if cfg.warmup:  # compile kernels and fill allocator caches before anything is timed
             tokenizer.eos_token_ids = set()  # the warm-up must run its full length
             reference = run_mlx_lm(model, tokenizer, prompts[0], 300)[0]
+            if ar_draft is not None:
+                run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, cfg.num_draft_tokens)
             for proposer in {id(p): p for p in proposers.values()}.values():  # one draft, several methods: once
                 warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size)
             tokenizer.eos_token_ids = set() if cfg.no_eos else saved_eos
