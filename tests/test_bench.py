@@ -65,6 +65,7 @@ def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):
     costs = json.loads((out / "cycle_costs.json").read_text())
     assert [c["context_len"] for c in costs] == [16, 24]
     assert all(c["rollback_ms"] >= 0 and c["verify_plus_rollback_ms"] > 0 for c in costs)
+    assert all(0 < c["host_ms"] < c["verify_plus_rollback_ms"] + c["draft_ms"] for c in costs)
     fast = tmp_path / "costs"
     assert main(["bench", "--scale", "tiny-hybrid", "--costs-only", "--lengths", "32", "--prompt-len", "16",
                  "--draft-layers", "1", "--draft-vocab", "512", "--out", str(fast)]) == 0
