@@ -1,10 +1,9 @@
 """The adaptive block policy: plain decoding when drafts lose, full blocks when they win,
 short blocks when a verify costs more with each token and the draft is weak."""
 
-import pytest
 from tiny_models import VOCAB_SIZE, tiny_pair
 
-from mlx_dflash import DFlashError, generate
+from mlx_dflash import generate
 from mlx_dflash.policy import PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes
 from mlx_dflash.replay import ReplayProposer
 
@@ -91,39 +90,3 @@ def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):
         proposer = ReplayProposer(prompt + reference, 16, [2], VOCAB_SIZE)
         result = generate(model, tokenizer, prompt, proposer, max_tokens=max_tokens, adaptive=True)
         assert result.tokens == reference[:max_tokens]
-
-
-def test_a_reused_policy_skips_the_warm_up_and_keeps_the_output(tiny_dir):
-    """A policy passed to the next generation of the same pair keeps its block costs: with a
-    useless draft its second generation starts at plain decoding (no warm-up blocks); slot
-    statistics are halved so that the new text soon counts more."""
-    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-reuse", "qwen3", "reuse", 80)
-    policy = BlockPolicy(16)
-    first_blocks = []
-    for run in range(2):
-        proposer = ReplayProposer(prompt + reference, 16, [0], VOCAB_SIZE)  # every draft token wrong
-        drafts_before = len(first_blocks)
-        original = proposer.propose
-        proposer.propose = lambda first, n: (first_blocks.append(n + 1), original(first, n))[1]
-        checked_before = policy.slot_checked[1]
-        result = generate(model, tokenizer, prompt, proposer, max_tokens=60, policy=policy)
-        assert result.tokens == reference[:60]
-        if run == 0:
-            assert first_blocks[:WARMUP_CYCLES] == [16] * WARMUP_CYCLES
-        else:
-            assert first_blocks[drafts_before:drafts_before + WARMUP_CYCLES] != [16] * WARMUP_CYCLES
-            assert policy.slot_checked[1] >= checked_before // 2
-    assert generate(model, tokenizer, prompt, proposer, max_tokens=8, policy=policy).tokens == reference[:8]
-    with pytest.raises(DFlashError, match="block size 16"):
-        generate(model, tokenizer, prompt, proposer, max_tokens=8, block_size=8, policy=policy)
-
-
-def test_new_sequence_halves_slot_statistics_and_keeps_costs():
-    policy = BlockPolicy(4)
-    for _ in range(4):
-        policy.record(4, 3, 0.2)
-    policy.record(1, 1, 0.1)
-    policy.record(1, 1, 0.1)
-    costs = dict(policy.seconds)
-    policy.new_sequence()
-    assert policy.seconds == costs and policy.slot_checked[1:4] == [2, 2, 2] and policy.slot_accepted[1:4] == [2, 2, 0]

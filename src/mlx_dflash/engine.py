@@ -250,7 +250,6 @@ def stream_generate(
     stop: Optional[Sequence[str]] = None,
     sampling: Optional[SamplingParams] = None,
     adaptive: bool = False,
-    policy: Optional[BlockPolicy] = None,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
@@ -260,8 +259,7 @@ def stream_generate(
     ``adaptive``: choose each cycle between plain decoding and full blocks by measured
     speed (``policy.py``); the output is the same either way. Not with a seeded
     sampler: timing-dependent blocks would consume random draws differently, and the
-    same seed must give the same text. ``policy``: the policy of an earlier adaptive
-    generation with this pair, to reuse what it learned (implies ``adaptive``).
+    same seed must give the same text.
     """
     target, proposer = make_proposer(model, draft)
     block_size = block_size or proposer.block_size
@@ -283,14 +281,7 @@ def stream_generate(
     if sampling is not None and sampling.greedy and not sampling.logits_processors:
         sampling = None  # plain greedy: the bit-exact path
     seeded = sampling is not None and sampling.seed is not None
-    if policy is not None and policy.max_block != block_size:
-        raise DFlashError(f"the policy was made for block size {policy.max_block}, this generation uses {block_size}")
-    if seeded:
-        policy = None
-    elif policy is not None:
-        policy.new_sequence()
-    elif adaptive:
-        policy = BlockPolicy(block_size)
+    policy = BlockPolicy(block_size) if adaptive and not seeded else None
     cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:

@@ -10,8 +10,6 @@ full blocks win; where it grows with the block (a CPU) a weak draft is best used
 with short blocks. While a smaller size wins, the next size up is still tried now
 and then (less often each time it loses; a cheaper probe than a full block) so the
 policy notices, one size at a time, when the text becomes predictable.
-A policy can serve many generations of one pair (``new_sequence``): a server or a
-benchmark then pays the warm-up and the exploration once, not per request.
 """
 
 from __future__ import annotations
@@ -64,14 +62,6 @@ class BlockPolicy:
         per plain step cannot beat the best rate so far is never tried (a useless draft
         then costs no exploration beyond the warm-up)."""
         return self.expected_tokens(block) / self.seconds[1] > best_rate
-
-    def new_sequence(self) -> None:
-        """Reuse for another generation with the same pair: the block costs stay (they belong
-        to the machine and the models), so no warm-up or exploration is paid again; the slot
-        statistics are halved, so that the new text's acceptance soon outweighs the old."""
-        self.slot_checked = [n // 2 for n in self.slot_checked]
-        self.slot_accepted = [min(n // 2, c) for n, c in zip(self.slot_accepted, self.slot_checked)]
-        self.probe_every, self.since_probe, self.probing = PROBE_START, 0, None
 
     def choose(self, limit: int | None = None) -> int:
         """The next block size, at most ``limit`` (the tokens still wanted): every block is
