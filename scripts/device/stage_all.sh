@@ -8,6 +8,10 @@
 # Then, on the device: `bash .device/X/keep.sh` with .device/X carried, for a, then every
 # other folder with a keep.sh, then the script itself with .device/b (and .device/data)
 # carried: env.sh re-joins the pieces under $DEVICE_FILES. See ../shared/device/README.md.
+# A call carries at most 64 MiB with the tracked tree, which holds the shipped draft (~24 MB in
+# all): for the lease, untrack the draft's weights (git rm --cached D/model.safetensors; add it to
+# .git/info/exclude), carry that path in the calls that need it, and `git reset` it afterwards.
+# Background jobs across calls (train on one GPU, bench on the other): scripts/device/bg.sh.
 set -euo pipefail
 export MLX_DFLASH_HOME=${MLX_DFLASH_HOME:-$HOME/.cache/mlx-dflash}
 mlx-dflash models fetch smollm2-135m >/dev/null
@@ -27,7 +31,7 @@ if [ "${QWEN_PAIR:-1}" = 1 ]; then
   rm -rf "$pair"
 fi
 saved=$HOME/.cache/mlx-dflash-training-data
-data=${TRAINING_DATA:-$saved/session3-stdlib-sequences.jsonl.gz}
+data=${TRAINING_DATA:-$saved/session5-stdlib-all-sequences.jsonl.gz}  # 42,258 stdlib responses
 if [ -f "$data" ]; then mkdir -p .device/data && cp "$data" .device/data/sequences.jsonl.gz; fi
 completion=${COMPLETION_DATA:-$saved/session4-completion-sequences.jsonl.gz}
 if [ -f "$completion" ]; then mkdir -p .device/data && cp "$completion" .device/data/completion.jsonl.gz; fi
