@@ -80,3 +80,13 @@ def test_draft_quant_flag(files, capsys):
     target, draft = files
     assert main(["generate", "--model", target, "--draft", draft, "--prompt", "hi", "--max-tokens", "8",
                  "--draft-quant", "8"]) == 0
+
+
+def test_data_prompt_sources_are_checked(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    out = str(tmp_path / "data")
+    assert main(["data", "--out", out, "--prompts", str(prompts), "--prompt-packages", "tqdm"]) == 2
+    assert main(["data", "--out", out, "--prompt-packages", "no_such_package"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "not both" in err[0] and "no_such_package" in err[1] and len(err) == 2

@@ -10,8 +10,8 @@ from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
 
 from mlx.utils import tree_flatten
 
-from mlx_dflash import create_random_draft, generate, load_draft
-from mlx_dflash.data import build_dataset, greedy_batch, read_sequences, stdlib_prompts
+from mlx_dflash import DFlashError, create_random_draft, generate, load_draft
+from mlx_dflash.data import build_dataset, greedy_batch, package_prompts, read_sequences, stdlib_prompts
 from mlx_dflash.train import TrainConfig, context_visibility, make_batch, read_training_records, train
 
 
@@ -103,6 +103,21 @@ def test_stdlib_prompts_are_offline_and_not_benchmarks():
     prompts = stdlib_prompts()
     assert len(prompts) > 1000 and len(set(prompts)) == len(prompts)
     assert not any("HumanEval" in p or "has_close_elements" in p for p in prompts)
+
+
+def test_prompts_never_spell_out_this_process(monkeypatch):
+    """A default that prints its object (cgi's ``environ=os.environ``) once copied every
+    environment variable into the prompts: such headers are left out."""
+    monkeypatch.setenv("MLX_DFLASH_PROMPT_MARKER", "zq-marker-5531")
+    assert not any("zq-marker-5531" in p for p in stdlib_prompts())
+
+
+def test_package_prompts_come_from_installed_packages():
+    prompts = package_prompts(["tqdm"])
+    assert len(prompts) > 100 and prompts == package_prompts(["tqdm"])  # deterministic
+    assert any("```python\n" in p for p in prompts) and any("tqdm.contrib" in p for p in prompts)
+    with pytest.raises(DFlashError, match="no_such_package"):
+        package_prompts(["no_such_package"])
 
 
 def test_completion_prompts_hold_valid_python_headers():

@@ -173,6 +173,8 @@ def _add_data(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (resumable: run again to continue)")
     p.add_argument("--prompts", default=None,
                    help="a .jsonl with a 'prompt' per line or a text file, one per line (default: stdlib docstrings)")
+    p.add_argument("--prompt-packages", nargs="+", default=None, metavar="PACKAGE",
+                   help="instead of the stdlib, prompts from the docstrings of these installed packages")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=256, help="response length cap")
     p.add_argument("--batch-size", type=int, default=64)
@@ -180,7 +182,7 @@ def _add_data(sub) -> None:
 
 
 def _run_data(args) -> None:
-    from .data import build_dataset, read_prompts, stdlib_prompts
+    from .data import build_dataset, package_prompts, read_prompts, stdlib_prompts
     from .models import DEFAULT_MODEL
     from .target import load_target
 
@@ -188,7 +190,12 @@ def _run_data(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    prompts = read_prompts(args.prompts) if args.prompts else stdlib_prompts()
+    if args.prompts and args.prompt_packages:
+        raise DFlashError("pass --prompts or --prompt-packages, not both")
+    if args.prompts:
+        prompts = read_prompts(args.prompts)
+    else:
+        prompts = package_prompts(args.prompt_packages) if args.prompt_packages else stdlib_prompts()
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(build_dataset(model, tokenizer, prompts, args.out, args.max_tokens, args.batch_size))

@@ -8,8 +8,10 @@ Prompts must be available offline and must not overlap the evaluation sets
 (HumanEval, GSM8K, MBPP, MT-Bench). ``stdlib_prompts`` builds them from the
 docstrings of this Python's standard library (code questions, and requests to
 complete a stdlib function from its header and docstring): always present,
-code-flavoured like our evaluation, and unrelated to any benchmark. ``--prompts FILE`` takes
-your own (a .jsonl with a "prompt" field per line, or plain text, one per line).
+code-flavoured like our evaluation, and unrelated to any benchmark. ``package_prompts`` does
+the same for installed packages (``--prompt-packages numpy scipy``: more, and more varied,
+code). ``--prompts FILE`` takes your own (a .jsonl with a "prompt" field per line, or plain
+text, one per line).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import importlib
 import inspect
 import io
 import json
+import pkgutil
 import random
 import sys
 import warnings
@@ -77,8 +80,13 @@ def _function_header(name: str, obj) -> Optional[str]:
     body = "\n".join("    " + line if line.strip() else "" for line in doc.splitlines())
     header = f'def {name}{signature.replace(parameters=params)}:\n    """\n{body}\n    """'
     try:
-        ast.parse(header)
+        function = ast.parse(header).body[0]
     except SyntaxError:
+        return None
+    # a default that prints as a call (cgi's ``environ=environ({...})``) spells out an object of
+    # this process, e.g. its environment variables: not for a training set
+    defaults = function.args.defaults + [d for d in function.args.kw_defaults if d is not None]
+    if any(isinstance(node, ast.Call) for d in defaults for node in ast.walk(d)):
         return None
     return header
 
@@ -103,18 +111,40 @@ def _documented_objects(module_name: str, module) -> Iterator[tuple[str, str, st
                 yield short, qualname, doc, member
 
 
-def stdlib_prompts(seed: int = 0) -> list[str]:
-    """Deterministic, de-duplicated prompts from this Python's standard-library docstrings."""
+def _import_quietly(module_name: str):
+    """The module, or None when it cannot be imported here (not built on this platform, a
+    missing optional dependency); its import-time prints are swallowed."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return importlib.import_module(module_name)
+    except Exception:
+        return None
+
+
+def _package_modules(package: str) -> list[str]:
+    """An installed package and its public submodules (none under a private or test folder)."""
+    module = _import_quietly(package)
+    if module is None:
+        raise DFlashError(f"--prompt-packages: cannot import {package!r} here")
+    names = [package]
+    if hasattr(module, "__path__"):
+        for info in pkgutil.walk_packages(module.__path__, prefix=package + ".", onerror=lambda name: None):
+            parts = info.name.split(".")[1:]
+            if not any(p.startswith("_") or p in ("test", "tests", "testing", "conftest") for p in parts):
+                names.append(info.name)
+    return sorted(names)
+
+
+def module_prompts(module_names: list[str], seed: int = 0) -> list[str]:
+    """Deterministic, de-duplicated prompts from these modules' docstrings: code questions in
+    ``TEMPLATES`` about every documented public function, class and method, and requests to
+    complete each function from its header and docstring (``COMPLETION_TEMPLATES``)."""
     prompts = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # some modules and docstrings warn about their own deprecation
-        for module_name in sorted(sys.stdlib_module_names):
-            if module_name.startswith("_") or module_name in SKIPPED_MODULES:
-                continue
-            try:
-                with contextlib.redirect_stdout(io.StringIO()):
-                    module = importlib.import_module(module_name)
-            except Exception:  # not built on this platform
+        for module_name in module_names:
+            module = _import_quietly(module_name)
+            if module is None:
                 continue
             for name, qualname, doc, obj in _documented_objects(module_name, module):
                 fields = {"doc": doc, "name": name, "qualname": qualname, "lower_doc": doc[0].lower() + doc[1:]}
@@ -125,6 +155,17 @@ def stdlib_prompts(seed: int = 0) -> list[str]:
     prompts = sorted(set(prompts))
     random.Random(seed).shuffle(prompts)
     return prompts
+
+
+def stdlib_prompts(seed: int = 0) -> list[str]:
+    """Prompts from this Python's standard library (always present, offline)."""
+    names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in SKIPPED_MODULES)
+    return module_prompts(names, seed)
+
+
+def package_prompts(packages: list[str], seed: int = 0) -> list[str]:
+    """Prompts from installed packages (e.g. numpy, scipy): more code, beyond the stdlib."""
+    return module_prompts([name for package in packages for name in _package_modules(package)], seed)
 
 
 def read_prompts(path: str) -> list[str]:
