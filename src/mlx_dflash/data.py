@@ -117,7 +117,7 @@ def _import_quietly(module_name: str):
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             return importlib.import_module(module_name)
-    except Exception:
+    except (Exception, SystemExit):  # SystemExit: a script-like module that exits when imported
         return None
 
 
@@ -125,7 +125,7 @@ def _package_modules(package: str) -> list[str]:
     """An installed package and its public submodules (none under a private or test folder)."""
     module = _import_quietly(package)
     if module is None:
-        raise DFlashError(f"--prompt-packages: cannot import {package!r} here")
+        raise DFlashError(f"cannot import the package {package!r} for prompts (is it installed?)")
     names = [package]
     if hasattr(module, "__path__"):
         for info in pkgutil.walk_packages(module.__path__, prefix=package + ".", onerror=lambda name: None):
