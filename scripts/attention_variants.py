@@ -1,0 +1,77 @@
+"""Attention for a verify block, three ways, timed on this device (for MLX's CUDA backend).
+
+    python scripts/attention_variants.py [--context 1024] [--block 16] [--layers 30]
+    MLX_CUDA_USE_CUDNN_SDPA=1 python scripts/attention_variants.py   # cuDNN's path, not ours
+
+On an H200 a 16-token verify of SmolLM2-135M cost ~2.5 plain steps whatever the block size
+from 4 up (BENCHMARKS.md, fifth session): MLX 0.32.4 fuses attention for single-token queries
+only. Per shape (SmolLM2-135M, Qwen3-8B heads), ``--layers`` calls per evaluation, like one
+model pass: (1) one call with all block queries and a causal mask (what mlx-lm's verify does),
+(2) one single-query call per block position over its visible keys (fused kernels, more
+launches), (3) one single-query call (what a plain step does). (1) and (2) must agree.
+"""
+
+import argparse
+import os
+import time
+
+import mlx.core as mx
+
+import mlx_dflash  # noqa: F401  (sets MLX_CUDA_USE_CUDNN_SDPA=0 unless the caller set it)
+
+SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # query heads, kv heads, head dim
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--context", type=int, default=1024)
+parser.add_argument("--block", type=int, default=16)
+parser.add_argument("--layers", type=int, default=30)
+parser.add_argument("--iters", type=int, default=20)
+args = parser.parse_args()
+dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+print(f"{mx.default_device()}, {dtype}, MLX {mx.__version__}, "
+      f"MLX_CUDA_USE_CUDNN_SDPA={os.environ.get('MLX_CUDA_USE_CUDNN_SDPA')}", flush=True)
+
+
+def block_at_once(q, k, v, scale):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+
+
+def one_query_at_a_time(q, k, v, scale):
+    n, length = q.shape[2], k.shape[2]
+    return mx.concatenate([
+        mx.fast.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : length - n + i + 1],
+                                             v[:, :, : length - n + i + 1], scale=scale)
+        for i in range(n)
+    ], axis=2)
+
+
+def one_query(q, k, v, scale):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def timed(fn) -> float:
+    mx.eval(fn())  # warm-up: kernels, graphs
+    tic = time.perf_counter()
+    for _ in range(args.iters):
+        mx.eval(fn())
+    return (time.perf_counter() - tic) * 1000 / args.iters
+
+
+for name, (heads, kv_heads, head_dim) in SHAPES.items():
+    length = args.context + args.block
+    q = mx.random.normal((1, heads, args.block, head_dim)).astype(dtype)
+    k = mx.random.normal((1, kv_heads, length, head_dim)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, length, head_dim)).astype(dtype)
+    scale = head_dim**-0.5
+    a, b = block_at_once(q, k, v, scale), one_query_at_a_time(q, k, v, scale)
+    error = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+    stack = lambda fn, query: [fn(query, k, v, scale) for _ in range(args.layers)]  # noqa: E731
+    results = {
+        f"block of {args.block}, causal mask": timed(lambda: stack(block_at_once, q)),
+        f"{args.block} single-query calls": timed(lambda: stack(one_query_at_a_time, q)),
+        "one single-query call (a plain step)": timed(lambda: stack(one_query, q[:, :, -1:])),
+    }
+    print(f"{name} ({heads}/{kv_heads} heads, dim {head_dim}), context {args.context}, x{args.layers} calls, "
+          f"max difference (1) vs (2) {error:.2e}:")
+    for label, ms in results.items():
+        print(f"  {label}: {ms:.2f} ms", flush=True)
