@@ -1,9 +1,9 @@
 """Host time per decoding step: the engine's plain path against mlx-lm's, side by side.
 
-    python scripts/host_overhead.py [--tokens 512] [--rounds 3] [--layers 30]
+    python scripts/host_overhead.py [--tokens 512] [--rounds 3]
 
-A random llama with SmolLM2-135M's depth (30 layers) but tiny widths, so that a step's
-arithmetic is negligible and what is left is per-step host work: building the graph,
+A random llama with SmolLM2-135M's depth (30 layers) but tiny widths (scale mode's shape
+"deep-thin"), so that a step's arithmetic is negligible and what is left is per-step host work: building the graph,
 dispatching kernels, the engine's bookkeeping. That is the regime of a small model on a
 GPU (an H200 decodes SmolLM2-135M in ~4 ms, launch-bound), where the random-draft floor
 measured 0.86x: the adaptive policy settles on plain steps, so they must cost what
@@ -12,27 +12,22 @@ block size 1 (plain steps only), DFlash adaptive with a random draft.
 """
 
 import argparse
-import importlib
 
 import mlx.core as mx
 
 from mlx_dflash import generate
 from mlx_dflash.bench import run_mlx_lm
 from mlx_dflash.draft import create_random_draft
-from mlx_dflash.scale import null_tokenizer
+from mlx_dflash.scale import null_tokenizer, random_target
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", type=int, default=512)
 parser.add_argument("--rounds", type=int, default=3)
-parser.add_argument("--layers", type=int, default=30)
 args = parser.parse_args()
 
-config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": args.layers, "intermediate_size": 128,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 512,
-          "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 4096}
-module = importlib.import_module("mlx_lm.models.llama")
 mx.random.seed(0)
-model = module.Model(module.ModelArgs.from_dict(config))
+model, config = random_target("deep-thin")
+model.set_dtype(mx.float32)  # random_target builds bfloat16; the CPU's fast path is float32
 mx.eval(model.parameters())
 tokenizer = null_tokenizer(config["vocab_size"])
 draft = create_random_draft(config, num_layers=5, block_size=16, mask_token_id=config["vocab_size"] - 1)

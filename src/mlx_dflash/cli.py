@@ -194,8 +194,10 @@ def _run_data(args) -> None:
         raise DFlashError("pass --prompts or --prompt-packages, not both")
     if args.prompts:
         prompts = read_prompts(args.prompts)
+    elif args.prompt_packages:
+        prompts = package_prompts(args.prompt_packages)
     else:
-        prompts = package_prompts(args.prompt_packages) if args.prompt_packages else stdlib_prompts()
+        prompts = stdlib_prompts()
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(build_dataset(model, tokenizer, prompts, args.out, args.max_tokens, args.batch_size))

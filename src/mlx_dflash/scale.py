@@ -28,6 +28,10 @@ SHAPES = {
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
     "qwen3-14b": {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 40, "intermediate_size": 17408,
                   "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+    # SmolLM2-135M's depth at negligible width: a step is all host work (scripts/host_overhead.py)
+    "deep-thin": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 30, "intermediate_size": 128,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+                  "vocab_size": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
     "tiny": {"model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True},
 }
