@@ -11,7 +11,7 @@ from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
 from mlx.utils import tree_flatten
 
 from mlx_dflash import DFlashError, create_random_draft, generate, load_draft
-from mlx_dflash.data import build_dataset, greedy_batch, package_prompts, read_sequences, stdlib_prompts
+from mlx_dflash.data import _function_header, build_dataset, greedy_batch, package_prompts, read_sequences, stdlib_prompts
 from mlx_dflash.train import TrainConfig, context_visibility, make_batch, read_training_records, train
 
 
@@ -118,6 +118,27 @@ def test_package_prompts_come_from_installed_packages():
     assert any("```python\n" in p for p in prompts) and any("tqdm.contrib" in p for p in prompts)
     with pytest.raises(DFlashError, match="no_such_package"):
         package_prompts(["no_such_package"])
+
+
+def test_completion_headers_keep_doctest_examples():
+    """A completion request shows the description and the doctest examples (not their heading),
+    like a user's "complete this function"; a docstring too long for both keeps the description."""
+    def clamp(x, low, high):
+        """Clamp x into [low, high].
+
+        Values below low become low.
+
+        Examples
+        --------
+        >>> clamp(5, 0, 3)
+        3
+        """
+
+    header = _function_header("clamp", clamp)
+    assert ">>> clamp(5, 0, 3)\n    3\n" in header and "Examples" not in header
+    assert "Values below low become low." in header and ast.parse(header)
+    clamp.__doc__ += "\n>>> " + "x" * 900
+    assert ">>>" not in _function_header("clamp", clamp)
 
 
 def test_completion_prompts_hold_valid_python_headers():

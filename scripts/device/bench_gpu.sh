@@ -14,7 +14,7 @@ export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/m
 mkdir -p $MLX_DFLASH_HOME/gguf
 [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
 python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
-D=${DRAFT:-/tmp/work/ship/bf16}; [ -d "$D" ] || D=src/mlx_dflash/drafts/smollm2-135m
+D=${DRAFT:-/tmp/work/run-ship/bf16}; [ -d "$D" ] || D=src/mlx_dflash/drafts/smollm2-135m
 echo "draft: $D"
 nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 quiet() { tr '\r' '\n' | grep -v 'run/s\]$'; }
@@ -27,7 +27,7 @@ save_draft(create_random_draft(json.load(open(sys.argv[1])), num_layers=5, block
 }
 bench() { python3 -m mlx_dflash.cli bench "${EOS_ARGS[@]}" "$@" 2>&1 | quiet | grep -E '^\||^\{|error' ; }
 for part in ${PARTS:-default}; do case $part in
-default)  # the trained draft (train_default_draft.sh on this machine: ship/q8 ships, ship/bf16) or DRAFT
+default)  # the trained draft (train_default_draft.sh on this machine: run-ship/q8 ships, run-ship/bf16) or DRAFT
   Q8=${D%/bf16}/q8; [ -d "$Q8" ] || Q8=$D
   echo "== default pair, 8-bit draft ($Q8) =="
   bench --model smollm2-135m --draft "$Q8" --prompts .device/b/humaneval.jsonl \

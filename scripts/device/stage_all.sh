@@ -35,4 +35,20 @@ data=${TRAINING_DATA:-$saved/session5-stdlib-all-sequences.jsonl.gz}  # 42,258 s
 if [ -f "$data" ]; then mkdir -p .device/data && cp "$data" .device/data/sequences.jsonl.gz; fi
 completion=${COMPLETION_DATA:-$saved/session4-completion-sequences.jsonl.gz}
 if [ -f "$completion" ]; then mkdir -p .device/data && cp "$completion" .device/data/completion.jsonl.gz; fi
+# PROMPT_PACKAGES="numpy sympy ...": prompts from these installed packages' docstrings, every
+# code-completion request and the first PACKAGE_QUESTIONS others, in two halves (one per GPU):
+# .device/data/packages-{1,2}.jsonl.gz, for train_default_draft.sh STAGE=data PROMPTS=...
+if [ -n "${PROMPT_PACKAGES:-}" ]; then
+  mkdir -p .device/data
+  python -c "
+import gzip, json, sys
+from mlx_dflash.data import package_prompts
+prompts = package_prompts(sys.argv[2:])
+is_completion = lambda p: '\`\`\`python' in p
+chosen = [p for p in prompts if is_completion(p)] + [p for p in prompts if not is_completion(p)][: int(sys.argv[1])]
+for half in (1, 2):
+    with gzip.open(f'.device/data/packages-{half}.jsonl.gz', 'wt') as f:
+        f.writelines(json.dumps({'prompt': p}) + '\n' for p in chosen[half - 1 :: 2])
+print(f'{len(chosen)} package prompts')" "${PACKAGE_QUESTIONS:-38000}" $PROMPT_PACKAGES
+fi
 du -sh .device/* | tr '\n' ' '; echo

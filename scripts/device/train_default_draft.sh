@@ -3,7 +3,9 @@
 # call must stay under 10 minutes, so the work is split into stages (env STAGE):
 #   STAGE=data         self-distillation data from every stdlib prompt -> $OUT/sequences.jsonl.gz.part.*
 #   STAGE=data PROMPTS=completion   only the code-completion prompts (into $W/completion)
-#   STAGE=train        train a new draft on $W/data (+ $W/completion when present)
+#   STAGE=data PROMPTS=.device/data/NAME.jsonl.gz   a prompt file (into $W/NAME)
+#   STAGE=train        train a new draft on every data set in $W (RUN=folder, default $W/run;
+#                      its bf16 and 8-bit forms go to $RUN-ship; LR, default 6e-4)
 #   STAGE=train RESUME_STEPS=N      continue that run, cosine stretched to N steps
 #   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
 #   STAGE=train PROBE=1             first, ms per step side by side (scripts/train_step_costs.py)
@@ -29,7 +31,10 @@ fi
 if [ "${STAGE:-data}" = data ]; then
   # self-distillation data (resumable: a timeout keeps finished chunks)
   DATA=$W/data; PROMPT_ARGS=()
-  if [ "${PROMPTS:-all}" = completion ]; then
+  if [[ "${PROMPTS:-all}" == *.jsonl.gz ]]; then  # a prompt file (stage_all.sh PROMPT_PACKAGES=...)
+    name=$(basename "$PROMPTS" .jsonl.gz); DATA=$W/$name; PROMPT_ARGS=(--prompts $W/$name.jsonl)
+    zcat "$PROMPTS" > $W/$name.jsonl; wc -l $W/$name.jsonl
+  elif [ "${PROMPTS:-all}" = completion ]; then
     DATA=$W/completion; PROMPT_ARGS=(--prompts $W/completion.jsonl)
     python3 -c "
 import json; from mlx_dflash.data import stdlib_prompts
@@ -43,27 +48,28 @@ import json; r=[json.loads(l) for l in open('$DATA/sequences.jsonl')]
 print(f'sequences: {len(r)}, response tokens: {sum(len(x[\"tokens\"]) - x[\"prompt_len\"] for x in r)}')"
   gzip -c $DATA/sequences.jsonl | split -b 15M - "$OUT"/$(basename $DATA).jsonl.gz.part.
 else
-  DATA_DIRS=($W/data); [ -f $W/completion/sequences.jsonl ] && DATA_DIRS+=($W/completion)
+  DATA_DIRS=($(ls -d $W/*/sequences.jsonl | xargs -n1 dirname)); echo "data: ${DATA_DIRS[*]}"
+  RUN=${RUN:-$W/run}; SHIP=$RUN-ship
   [ -n "${PROBE:-}" ] && python3 scripts/train_step_costs.py --model smollm2-135m --data "${DATA_DIRS[@]}" 2>&1 | quiet | grep ms/step
   if [ -n "${RESUME_STEPS:-}" ]; then  # a second call: continue the run, cosine stretched to RESUME_STEPS
-    time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $W/run --resume \
+    time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $RUN --resume \
       --steps "$RESUME_STEPS" --time-budget "${TRAIN_SECONDS:-400}" 2>&1 | quiet | tail -4
   else
     INIT_ARGS=(--layers "${LAYERS:-5}"); [ -n "${INIT:-}" ] && INIT_ARGS=(--init "$INIT")
-    rm -rf $W/run
-    time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $W/run "${INIT_ARGS[@]}" \
-      --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 \
+    rm -rf $RUN
+    time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $RUN "${INIT_ARGS[@]}" \
+      --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 --lr "${LR:-6e-4}" \
       --save-every 1000 --draft-vocab 8192 --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
   fi
-  rm -rf $W/ship
+  rm -rf $SHIP
   # shipped forms: bfloat16 (stays on the machine, for bench_gpu.sh) and 8-bit (comes back with the
   # training plot and history, in <=15 MB pieces: files back are capped at 16 MB)
   python3 -c "
 import mlx.core as mx; from mlx_dflash.draft import load_draft, save_draft
-save_draft(load_draft('$W/run/draft', dtype=mx.bfloat16), '$W/ship/bf16')"
-  python3 -m mlx_dflash.cli quantize $W/ship/bf16 $W/ship/q8 --bits 8
-  du -sh $W/ship/*
-  cp $W/run/training.png $W/run/history.json $W/ship/
-  tar cf - -C $W ship/q8 ship/training.png ship/history.json | split -b 15M - "$OUT"/ship.tar.part.
+save_draft(load_draft('$RUN/draft', dtype=mx.bfloat16), '$SHIP/bf16')"
+  python3 -m mlx_dflash.cli quantize $SHIP/bf16 $SHIP/q8 --bits 8
+  du -sh $SHIP/*
+  cp $RUN/training.png $RUN/history.json $SHIP/
+  tar cf - -C $SHIP q8 training.png history.json | split -b 15M - "$OUT"/$(basename $RUN).tar.part.
 fi
 ls -la "$OUT"

@@ -7,7 +7,7 @@ length (the loss covers response tokens only).
 Prompts must be available offline and must not overlap the evaluation sets
 (HumanEval, GSM8K, MBPP, MT-Bench). ``stdlib_prompts`` builds them from the
 docstrings of this Python's standard library (code questions, and requests to
-complete a stdlib function from its header and docstring): always present,
+complete a stdlib function from its header, docstring and doctest examples): always present,
 code-flavoured like our evaluation, and unrelated to any benchmark. ``package_prompts`` does
 the same for installed packages (``--prompt-packages numpy scipy``: more, and more varied,
 code). ``--prompts FILE`` takes your own (a .jsonl with a "prompt" field per line, or plain
@@ -66,6 +66,27 @@ def _first_sentence(doc: str) -> Optional[str]:
     return line if line.endswith(".") else line + "."
 
 
+MAX_HEADER_DOC = 800  # characters of docstring in a completion prompt
+
+
+def _doctest_part(paragraph: str) -> str:
+    """A paragraph from its first ``>>>`` line on (drops a heading such as numpy's "Examples")."""
+    lines = paragraph.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(">>>")]
+    return "\n".join(lines[starts[0]:]) if starts else ""
+
+
+def _header_docstring(doc: str) -> str:
+    """The docstring's first two paragraphs, then its first doctest examples when they fit:
+    a description and examples, the shape of the code-completion requests users make."""
+    paragraphs = doc.split("\n\n")
+    description = "\n\n".join(paragraphs[:2]).strip()
+    examples = [_doctest_part(p) for p in paragraphs[2:] if ">>>" in p]
+    examples = [e for e in examples if e][:2]
+    with_examples = "\n\n".join([description, *examples])
+    return with_examples if len(with_examples) <= MAX_HEADER_DOC else description
+
+
 def _function_header(name: str, obj) -> Optional[str]:
     """``def name(signature):`` with the docstring's first paragraphs, or None when the
     signature is unknown (many builtins) or does not print as Python (``<object at 0x...>``)."""
@@ -74,8 +95,8 @@ def _function_header(name: str, obj) -> Optional[str]:
     except (TypeError, ValueError):
         return None
     params = [p for p in signature.parameters.values() if p.name not in ("self", "cls")]
-    doc = "\n\n".join((inspect.getdoc(obj) or "").split("\n\n")[:2]).strip().replace('"""', "'''")
-    if not 20 <= len(doc) <= 800:
+    doc = _header_docstring(inspect.getdoc(obj) or "").replace('"""', "'''")
+    if not 20 <= len(doc) <= MAX_HEADER_DOC:
         return None
     body = "\n".join("    " + line if line.strip() else "" for line in doc.splitlines())
     header = f'def {name}{signature.replace(parameters=params)}:\n    """\n{body}\n    """'

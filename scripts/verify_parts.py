@@ -1,14 +1,17 @@
-"""Attention for a verify block, three ways, timed on this device (for MLX's CUDA backend).
+"""The parts of a verify block, timed on this device (for MLX's CUDA backend): attention three
+ways, and the layers' projections for a block against one token.
 
-    python scripts/attention_variants.py [--context 1024] [--block 16] [--layers 30]
-    MLX_CUDA_USE_CUDNN_SDPA=1 python scripts/attention_variants.py   # cuDNN's path, not ours
+    python scripts/verify_parts.py [--context 1024] [--block 16] [--layers 30]
+    MLX_CUDA_USE_CUDNN_SDPA=1 python scripts/verify_parts.py   # cuDNN's path, not ours
 
 On an H200 a 16-token verify of SmolLM2-135M cost ~2.5 plain steps whatever the block size
 from 4 up (BENCHMARKS.md, fifth session): MLX 0.32.4 fuses attention for single-token queries
 only. Per shape (SmolLM2-135M, Qwen3-8B heads), ``--layers`` calls per evaluation, like one
 model pass: (1) one call with all block queries and a causal mask (what mlx-lm's verify does),
 (2) one single-query call per block position over its visible keys (fused kernels, more
-launches), (3) one single-query call (what a plain step does). (1) and (2) must agree.
+launches), (3) one single-query call (what a plain step does). (1) and (2) must agree. Then the
+projections of ``--layers`` layers (packed QKV, output, packed gate/up, down) for ``--block``
+tokens and for one: what is left of a verify's cost once attention is accounted for.
 """
 
 import argparse
@@ -19,7 +22,8 @@ import mlx.core as mx
 
 import mlx_dflash  # noqa: F401  (sets MLX_CUDA_USE_CUDNN_SDPA=0 unless the caller set it)
 
-SHAPES = {"smollm2-135m": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # query heads, kv heads, head dim
+# query heads, kv heads, head dim, hidden size, MLP size
+SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "qwen3-8b": (32, 8, 128, 4096, 12288)}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--context", type=int, default=1024)
@@ -57,7 +61,15 @@ def timed(fn) -> float:
     return (time.perf_counter() - tic) * 1000 / args.iters
 
 
-for name, (heads, kv_heads, head_dim) in SHAPES.items():
+def projections(x, weights):
+    """One layer's matmuls per weight set, the MLP's input standing in for its activation."""
+    outputs = []
+    for qkv, out, gate_up, down in weights:
+        outputs += [x @ qkv, (((x @ out) @ gate_up)[..., : down.shape[0]]) @ down]
+    return outputs
+
+
+for name, (heads, kv_heads, head_dim, hidden, mlp) in SHAPES.items():
     length = args.context + args.block
     q = mx.random.normal((1, heads, args.block, head_dim)).astype(dtype)
     k = mx.random.normal((1, kv_heads, length, head_dim)).astype(dtype)
@@ -75,3 +87,11 @@ for name, (heads, kv_heads, head_dim) in SHAPES.items():
           f"max difference (1) vs (2) {error:.2e}:")
     for label, ms in results.items():
         print(f"  {label}: {ms:.2f} ms", flush=True)
+    weights = [tuple(mx.random.normal(shape).astype(dtype) * 0.02 for shape in
+                     [(hidden, (heads + 2 * kv_heads) * head_dim), (hidden, hidden), (hidden, 2 * mlp), (mlp, hidden)])
+               for _ in range(args.layers)]
+    mx.eval(weights)
+    for tokens in (args.block, 1):
+        x = mx.random.normal((1, tokens, hidden)).astype(dtype)
+        print(f"  projections of {args.layers} layers, {tokens} token(s): {timed(lambda: projections(x, weights)):.2f} ms",
+              flush=True)
