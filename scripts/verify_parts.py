@@ -87,11 +87,10 @@ for name, (heads, kv_heads, head_dim, hidden, mlp) in SHAPES.items():
           f"max difference (1) vs (2) {error:.2e}:")
     for label, ms in results.items():
         print(f"  {label}: {ms:.2f} ms", flush=True)
-    weights = [tuple(mx.random.normal(shape).astype(dtype) * 0.02 for shape in
-                     [(hidden, (heads + 2 * kv_heads) * head_dim), (hidden, hidden), (hidden, 2 * mlp), (mlp, hidden)])
-               for _ in range(args.layers)]
+    shapes = [(hidden, (heads + 2 * kv_heads) * head_dim), (hidden, hidden), (hidden, 2 * mlp), (mlp, hidden)]
+    weights = [tuple(mx.random.normal(shape).astype(dtype) * 0.02 for shape in shapes) for _ in range(args.layers)]
     mx.eval(weights)
     for tokens in (args.block, 1):
         x = mx.random.normal((1, tokens, hidden)).astype(dtype)
-        print(f"  projections of {args.layers} layers, {tokens} token(s): {timed(lambda: projections(x, weights)):.2f} ms",
-              flush=True)
+        ms = timed(lambda: projections(x, weights))
+        print(f"  projections of {args.layers} layers, {tokens} token(s): {ms:.2f} ms", flush=True)

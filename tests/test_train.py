@@ -11,7 +11,8 @@ from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
 from mlx.utils import tree_flatten
 
 from mlx_dflash import DFlashError, create_random_draft, generate, load_draft
-from mlx_dflash.data import _function_header, build_dataset, greedy_batch, package_prompts, read_sequences, stdlib_prompts
+from mlx_dflash.data import (_function_header, build_dataset, greedy_batch, package_prompts, read_sequences,
+                             stdlib_prompts)
 from mlx_dflash.train import TrainConfig, context_visibility, make_batch, read_training_records, train
 
 

@@ -6,7 +6,7 @@
 # still has it, else the shipped one). PARTS="default floor speculative scale profile" (any of them, in
 # order; default: default); NO_EOS=1 generates the full lengths. speculative needs the two
 # Qwen2.5-Coder models staged as pieces .device/q01... (stage_all.sh), kept before this call.
-# Results: one $OUT/results-PARTS.tgz.
+# Results: one $OUT/results-PARTS[-TAG].tgz (TAG names runs made side by side on two GPUs).
 set -uo pipefail
 source .device/b/env.sh
 R=$(mktemp -d)  # packed into one file at the end ($OUT takes at most 8)
@@ -59,4 +59,4 @@ profile)  # where a cycle's time goes (draft, verify, a plain step), per block s
   python3 scripts/profile_cycle.py smollm2-135m "$D" --blocks 4 8 16 --prompts .device/b/humaneval.jsonl 2>&1 | quiet ;;
 *) echo "unknown part: $part" ;;
 esac; done
-tar czf "$OUT/results-${PARTS// /-}.tgz" -C $R . && ls -la "$OUT"
+tar czf "$OUT/results-${PARTS// /-}${TAG:+-$TAG}.tgz" -C $R . && ls -la "$OUT"
