@@ -1,7 +1,8 @@
 """The parts of a verify block, timed on this device (for MLX's CUDA backend): attention three
-ways, and the layers' projections for a block against one token.
+ways (and the exponentials of its scores alone), and the layers' projections for a block
+against one token.
 
-    python scripts/verify_parts.py [--context 1024] [--block 16] [--layers 30]
+    python scripts/verify_parts.py [--context 1024] [--block 16] [--layers 30] [--shapes smollm2-135m]
     MLX_CUDA_USE_CUDNN_SDPA=1 python scripts/verify_parts.py   # cuDNN's path, not ours
 
 On an H200 a 16-token verify of SmolLM2-135M cost ~2.5 plain steps whatever the block size
@@ -30,6 +31,8 @@ parser.add_argument("--context", type=int, default=1024)
 parser.add_argument("--block", type=int, default=16)
 parser.add_argument("--layers", type=int, default=30)
 parser.add_argument("--iters", type=int, default=20)
+parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                    help="on a CPU, smollm2-135m only: Qwen3-8B's float32 projections take 23 GB")
 args = parser.parse_args()
 dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
 print(f"{mx.default_device()}, {dtype}, MLX {mx.__version__}, "
@@ -69,12 +72,14 @@ def projections(x, weights):
     return outputs
 
 
-for name, (heads, kv_heads, head_dim, hidden, mlp) in SHAPES.items():
+for name in args.shapes:
+    heads, kv_heads, head_dim, hidden, mlp = SHAPES[name]
     length = args.context + args.block
     q = mx.random.normal((1, heads, args.block, head_dim)).astype(dtype)
     k = mx.random.normal((1, kv_heads, length, head_dim)).astype(dtype)
     v = mx.random.normal((1, kv_heads, length, head_dim)).astype(dtype)
     scale = head_dim**-0.5
+    scores = mx.random.normal((1, heads, args.block, length)).astype(dtype)
     a, b = block_at_once(q, k, v, scale), one_query_at_a_time(q, k, v, scale)
     error = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
     stack = lambda fn, query: [fn(query, k, v, scale) for _ in range(args.layers)]  # noqa: E731
@@ -82,6 +87,8 @@ for name, (heads, kv_heads, head_dim, hidden, mlp) in SHAPES.items():
         f"block of {args.block}, causal mask": timed(lambda: stack(block_at_once, q)),
         f"{args.block} single-query calls": timed(lambda: stack(one_query_at_a_time, q)),
         "one single-query call (a plain step)": timed(lambda: stack(one_query, q[:, :, -1:])),
+        # the exponentials of the block's scores alone (the CPU's fallback computes them scalar)
+        f"exp of the {args.block}-query scores alone": timed(lambda: [mx.exp(scores) for _ in range(args.layers)]),
     }
     print(f"{name} ({heads}/{kv_heads} heads, dim {head_dim}), context {args.context}, x{args.layers} calls, "
           f"max difference (1) vs (2) {error:.2e}:")
