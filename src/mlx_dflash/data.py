@@ -88,7 +88,7 @@ def _header_docstring(doc: str) -> str:
 
 
 def _function_header(name: str, obj) -> Optional[str]:
-    """``def name(signature):`` with the docstring's first paragraphs, or None when the
+    """``def name(signature):`` with its docstring's description and examples, or None when the
     signature is unknown (many builtins) or does not print as Python (``<object at 0x...>``)."""
     try:
         signature = inspect.signature(obj)
