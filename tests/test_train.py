@@ -2,10 +2,14 @@
 
 import ast
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from data_parallel_worker import tiny_config
 from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
 
 from mlx.utils import tree_flatten
@@ -236,6 +240,28 @@ def test_init_starts_from_the_given_draft(tiny_data, tmp_path):
     assert after.config.num_hidden_layers == 1 and after.config.block_size == 8
     for (name, a), (_, b) in zip(tree_flatten(before.parameters()), tree_flatten(after.parameters())):
         assert mx.array_equal(a, b), name
+
+
+def test_data_parallel_run_trains_one_draft_on_both_processes(tiny_data, tmp_path):
+    """Two processes (mlx.launch, ring backend on this host): the same steps and losses in both,
+    the same final weights (train checks, else it fails), one writer, and a draft unlike one
+    process's run with the same seed: the other process's batches counted."""
+    path, data = tiny_data
+    out = tmp_path / "parallel"
+    launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2"]
+    run = subprocess.run([*launch, "--", sys.executable, str(Path(__file__).parent / "data_parallel_worker.py"),
+                          str(path), str(data), str(out)], capture_output=True, text=True, timeout=300)
+    files = [out / f"process-{rank}.json" for rank in (0, 1)]  # mlx.launch's exit status says 0 either way
+    assert run.returncode == 0 and all(f.is_file() for f in files), run.stdout[-2000:] + run.stderr[-2000:]
+    processes = [json.loads(f.read_text()) for f in files]
+    assert [p["size"] for p in processes] == [2, 2] and [p["steps"] for p in processes] == [4, 4]
+    assert processes[0]["losses"] == processes[1]["losses"]
+    assert len(json.loads((out / "history.json").read_text())) == 4
+    model, tokenizer = load_tiny(path)
+    alone = load_draft(str(train(model, tokenizer, [str(data)], str(tmp_path / "alone"), tiny_config(MASK_ID))))
+    together = load_draft(str(out / "draft"))
+    pairs = zip(tree_flatten(alone.parameters()), tree_flatten(together.parameters()))
+    assert any(not mx.array_equal(a, b) for (_, a), (_, b) in pairs)
 
 
 def test_training_reads_several_data_folders(tiny_data, tmp_path):

@@ -9,6 +9,7 @@
 #   STAGE=train RESUME_STEPS=N      continue that run, cosine stretched to N steps
 #   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
 #   STAGE=train PROBE=1             first, ms per step side by side (scripts/train_step_costs.py)
+#   STAGE=train GPUS=2              one data-parallel run over both GPUs (mlx.launch, NCCL)
 # Data sets from earlier sessions come as .device/data/{sequences,completion}.jsonl.gz (carry .device/data).
 # Staging: `QWEN_PAIR=0 bash scripts/device/stage_all.sh` here (see its header), then on the
 #   device `bash .device/X/keep.sh` for a, c and d, then carry .device/b (and .device/data)
@@ -57,7 +58,10 @@ else
   else
     INIT_ARGS=(--layers "${LAYERS:-5}"); [ -n "${INIT:-}" ] && INIT_ARGS=(--init "$INIT")
     rm -rf $RUN
-    time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $RUN "${INIT_ARGS[@]}" \
+    LAUNCH=()  # mlx.launch's entry point (MLX is staged without its console scripts); NVLink multicast stays off
+    [ "${GPUS:-1}" -gt 1 ] && LAUNCH=(python3 -c "from mlx._distributed_utils.launch import main; main()"
+                                      -n "$GPUS" --env NCCL_NVLS_ENABLE=0 --)
+    time "${LAUNCH[@]}" python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $RUN "${INIT_ARGS[@]}" \
       --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 --lr "${LR:-6e-4}" \
       --save-every 1000 --draft-vocab 8192 --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
   fi

@@ -234,11 +234,26 @@ def frequent_tokens(records: list[dict], size: int) -> list[int]:
     return sorted(int(t) for t in top if counts[t] > 0)
 
 
+def check_in_sync(draft: DFlashDraft, world: mx.distributed.Group) -> None:
+    """Data-parallel processes apply the same averaged gradients to the same start, so they must
+    end with the same weights: a fingerprint per process (the sum of all weights), compared."""
+    fingerprint = sum(mx.sum(p.astype(mx.float32)) for _, p in tree_flatten(draft.parameters()))
+    every = mx.distributed.all_gather(fingerprint.reshape(1), group=world)
+    if not mx.all(every == every[0]).item():
+        raise DFlashError(f"data-parallel training diverged: weight sums per process {every.tolist()}")
+
+
 def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: TrainConfig, resume: bool = False,
           init: Optional[str] = None) -> Path:
     """Train a draft for ``target_model`` on the sequences in ``data_dirs``; returns the draft folder.
 
-    ``init``: start from this draft's weights (fine-tuning, e.g. on new data) instead of random ones."""
+    ``init``: start from this draft's weights (fine-tuning, e.g. on new data) instead of random ones.
+    Launched as several processes (``mlx.launch -n 2 ...``: one per GPU, through NCCL on CUDA),
+    the run is data-parallel: every process starts from the same weights, draws its own batches
+    and applies the averaged gradients, so each step sees ``batch_size`` x processes sequences;
+    process 0 alone evaluates, plots and writes."""
+    world = mx.distributed.init()  # a group of one unless launched with mlx.launch
+    writer = world.rank() == 0
     out = Path(out_dir)
     records = read_training_records(data_dirs)
     if len(records) <= cfg.eval_prompts:
@@ -303,8 +318,8 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         return block_loss(draft, target, head, batch, features)
 
     loss_and_grad = mx.value_and_grad(loss_fn)
-    rng = np.random.default_rng(cfg.seed + start_step)
-    bar = tqdm(initial=start_step, total=cfg.steps, desc="train", unit="step")
+    rng = np.random.default_rng(cfg.seed + start_step + 1_000_003 * world.rank())  # own batches per process
+    bar = tqdm(initial=start_step, total=cfg.steps, desc="train", unit="step", disable=not writer)
     tic = time.perf_counter()
     step = start_step
     while step < cfg.steps:
@@ -313,6 +328,9 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         _, features = target(batch["tokens"], None)
         master = draft.trainable_parameters()
         loss, grads = loss_and_grad(master, batch, mx.stop_gradient(features))
+        if world.size() > 1:
+            grads = nn.average_gradients(grads, world)
+            loss = mx.distributed.all_sum(loss, group=world) / world.size()
         grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
         draft.update(optimizer.apply_gradients(grads, master))
         mx.eval(loss, draft.parameters(), optimizer.state)
@@ -323,18 +341,23 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
             probe_tic = time.perf_counter()
         if cfg.time_budget and step + 1 - start_step == PROBE_STEPS:  # fit the run into the budget
             per_step = (time.perf_counter() - probe_tic) / (PROBE_STEPS - PROBE_WARMUP)
+            if world.size() > 1:  # every process must take the same number of steps: process 0's
+                per_step = mx.distributed.all_sum(mx.array(per_step if writer else 0.0), group=world).item()
             cfg.steps = max(step + 1, min(cfg.steps, start_step + int(cfg.time_budget / per_step)))
             bar.total = cfg.steps
             bar.write(f"{per_step * 1000:.0f} ms/step: {cfg.steps} steps fit in the {cfg.time_budget:.0f} s budget")
         last = step + 1 == cfg.steps
-        if held_out and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+        if writer and held_out and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
             acceptance = held_out_acceptance(target_model, tokenizer, draft, held_out, cfg.eval_tokens)
             cfg.history.append({"step": step + 1, "acceptance": acceptance})
             bar.write(f"step {step + 1}: loss {loss.item():.3f}, held-out mean acceptance length {acceptance:.2f}")
-        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+        if writer and (last or (cfg.save_every and (step + 1) % cfg.save_every == 0)):
             save_checkpoint(out, draft, optimizer, cfg, step + 1)
             plot_history(cfg.history, out / "training.png")
         step += 1
     bar.close()
-    (out / "history.json").write_text(json.dumps(cfg.history))
+    if world.size() > 1:
+        check_in_sync(draft, world)
+    if writer:
+        (out / "history.json").write_text(json.dumps(cfg.history))
     return out / "draft"
