@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Trains the shipped draft for SmolLM2-135M-Instruct on the lent H200 (MLX CUDA). Each device
-# call must stay under 10 minutes, so the work is split into stages (env STAGE):
+# Trains the shipped draft for SmolLM2-135M-Instruct (or a draft for MODEL) on the lent H200s
+# (MLX CUDA). Each device call must stay under 10 minutes, so the work is split into stages (env
+# STAGE); scripts/device/bg.sh runs a stage past a call's end:
 #   STAGE=data         self-distillation data from every stdlib prompt -> $OUT/sequences.jsonl.gz.part.*
 #   STAGE=data PROMPTS=completion   only the code-completion prompts (into $W/completion)
 #   STAGE=data PROMPTS=.device/data/NAME.jsonl.gz   a prompt file (into $W/NAME)
@@ -14,20 +15,28 @@
 # Staging: `QWEN_PAIR=0 bash scripts/device/stage_all.sh` here (see its header), then on the
 #   device `bash .device/X/keep.sh` for a, c and d, then carry .device/b (and .device/data)
 #   and run e.g. `STAGE=data bash scripts/device/train_default_draft.sh`.
-# Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH.
+# Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH, VOCAB (draft vocabulary, default 8192).
+# MODEL: another target (an mlx-lm folder, e.g. /tmp/models/qwen2.5-coder-1.5b, which
+#   `PARTS=speculative bash scripts/device/bench_gpu.sh` unpacks); its work goes to
+#   /tmp/work-NAME, and the saved SmolLM2 data sets are not used for it.
 set -uo pipefail
 source .device/b/env.sh
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
-W=/tmp/work; mkdir -p $W $MLX_DFLASH_HOME/gguf
-[ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
-python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
+MODEL=${MODEL:-smollm2-135m}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { tr '\r' '\n' | grep -Ev '(prompt|step)/s(, [a-z]+=[^]]*)?\]$' ; }
-if [ -f .device/data/sequences.jsonl.gz ] && [ ! -f $W/data/sequences.jsonl ]; then
-  mkdir -p $W/data && zcat .device/data/sequences.jsonl.gz > $W/data/sequences.jsonl
-fi
-if [ -f .device/data/completion.jsonl.gz ] && [ ! -f $W/completion/sequences.jsonl ]; then
-  mkdir -p $W/completion && zcat .device/data/completion.jsonl.gz > $W/completion/sequences.jsonl
+if [ "$MODEL" = smollm2-135m ]; then
+  W=/tmp/work; mkdir -p $W $MLX_DFLASH_HOME/gguf
+  [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
+  python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
+  if [ -f .device/data/sequences.jsonl.gz ] && [ ! -f $W/data/sequences.jsonl ]; then
+    mkdir -p $W/data && zcat .device/data/sequences.jsonl.gz > $W/data/sequences.jsonl
+  fi
+  if [ -f .device/data/completion.jsonl.gz ] && [ ! -f $W/completion/sequences.jsonl ]; then
+    mkdir -p $W/completion && zcat .device/data/completion.jsonl.gz > $W/completion/sequences.jsonl
+  fi
+else
+  W=/tmp/work-$(basename "$MODEL"); mkdir -p $W
 fi
 if [ "${STAGE:-data}" = data ]; then
   # self-distillation data (resumable: a timeout keeps finished chunks)
@@ -42,7 +51,7 @@ import json; from mlx_dflash.data import stdlib_prompts
 print(''.join(json.dumps({'prompt': p}) + '\\n' for p in stdlib_prompts() if '\`\`\`python' in p), end='')" > $W/completion.jsonl
     wc -l $W/completion.jsonl
   fi
-  time timeout "${DATA_SECONDS:-400}" python3 -m mlx_dflash.cli data --model smollm2-135m --out $DATA \
+  time timeout "${DATA_SECONDS:-400}" python3 -m mlx_dflash.cli data --model "$MODEL" --out $DATA \
     "${PROMPT_ARGS[@]}" --max-tokens 384 --batch-size "${BATCH:-512}" 2>&1 | quiet | tail -3
   python3 -c "
 import json; r=[json.loads(l) for l in open('$DATA/sequences.jsonl')]
@@ -51,9 +60,9 @@ print(f'sequences: {len(r)}, response tokens: {sum(len(x[\"tokens\"]) - x[\"prom
 else
   DATA_DIRS=($(ls -d $W/*/sequences.jsonl | xargs -n1 dirname)); echo "data: ${DATA_DIRS[*]}"
   RUN=${RUN:-$W/run}; SHIP=$RUN-ship
-  [ -n "${PROBE:-}" ] && python3 scripts/train_step_costs.py --model smollm2-135m --data "${DATA_DIRS[@]}" 2>&1 | quiet | grep ms/step
+  [ -n "${PROBE:-}" ] && python3 scripts/train_step_costs.py --model "$MODEL" --data "${DATA_DIRS[@]}" 2>&1 | quiet | grep ms/step
   if [ -n "${RESUME_STEPS:-}" ]; then  # a second call: continue the run, cosine stretched to RESUME_STEPS
-    time python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $RUN --resume \
+    time python3 -m mlx_dflash.cli train --model "$MODEL" --data "${DATA_DIRS[@]}" --out $RUN --resume \
       --steps "$RESUME_STEPS" --time-budget "${TRAIN_SECONDS:-400}" 2>&1 | quiet | tail -4
   else
     INIT_ARGS=(--layers "${LAYERS:-5}"); [ -n "${INIT:-}" ] && INIT_ARGS=(--init "$INIT")
@@ -61,9 +70,9 @@ else
     LAUNCH=()  # mlx.launch's entry point (MLX is staged without its console scripts); NVLink multicast stays off
     [ "${GPUS:-1}" -gt 1 ] && LAUNCH=(python3 -c "from mlx._distributed_utils.launch import main; main()"
                                       -n "$GPUS" --env NCCL_NVLS_ENABLE=0 --)
-    time "${LAUNCH[@]}" python3 -m mlx_dflash.cli train --model smollm2-135m --data "${DATA_DIRS[@]}" --out $RUN "${INIT_ARGS[@]}" \
+    time "${LAUNCH[@]}" python3 -m mlx_dflash.cli train --model "$MODEL" --data "${DATA_DIRS[@]}" --out $RUN "${INIT_ARGS[@]}" \
       --steps 100000 --batch-size 32 --anchors 128 --max-len 768 --eval-every 0 --eval-prompts 16 --lr "${LR:-6e-4}" \
-      --save-every 1000 --draft-vocab 8192 --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
+      --save-every 1000 --draft-vocab "${VOCAB:-8192}" --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
   fi
   rm -rf $SHIP
   # shipped forms: bfloat16 (stays on the machine, for bench_gpu.sh) and 8-bit (comes back with the
