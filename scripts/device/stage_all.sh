@@ -4,7 +4,7 @@
 # .device/a, .device/b: MLX (CUDA) + mlx-lm, HumanEval prompts (.device/b/humaneval.jsonl);
 # .device/c, .device/d: SmolLM2-135M's GGUF; .device/q01...: the Qwen2.5-Coder 0.5B/1.5B pair
 # in 4-bit (for bench_gpu.sh PARTS=speculative), 55 MiB a folder; .device/data: saved training
-# sets for train_default_draft.sh (TRAINING_DATA and COMPLETION_DATA, sequences.jsonl.gz files).
+# sets for train_default_draft.sh (below).
 # Then, on the device: `bash .device/X/keep.sh` with .device/X carried, for a, then every
 # other folder with a keep.sh, then the script itself with .device/b (and .device/data)
 # carried: env.sh re-joins the pieces under $DEVICE_FILES. See ../shared/device/README.md.
@@ -30,11 +30,15 @@ if [ "${QWEN_PAIR:-1}" = 1 ]; then
   done
   rm -rf "$pair"
 fi
+# the saved SmolLM2 data sets, each as .device/data/FOLDER.sequences.jsonl.gz (train_default_draft.sh
+# unpacks it to /tmp/work/FOLDER, where STAGE=data resumes it): stdlib (42,258 responses),
+# completion (4,736), package prompts (2 x 26,112)
 saved=$HOME/.cache/mlx-dflash-training-data
-data=${TRAINING_DATA:-$saved/session5-stdlib-all-sequences.jsonl.gz}  # 42,258 stdlib responses
-if [ -f "$data" ]; then mkdir -p .device/data && cp "$data" .device/data/sequences.jsonl.gz; fi
-completion=${COMPLETION_DATA:-$saved/session4-completion-sequences.jsonl.gz}
-if [ -f "$completion" ]; then mkdir -p .device/data && cp "$completion" .device/data/completion.jsonl.gz; fi
+for pair in data:session5-stdlib-all completion:session4-completion packages-1:session6-packages-1 \
+            packages-2:session6-packages-2; do
+  file=$saved/${pair#*:}-sequences.jsonl.gz
+  if [ -f "$file" ]; then mkdir -p .device/data && cp "$file" .device/data/${pair%%:*}.sequences.jsonl.gz; fi
+done
 # PROMPT_PACKAGES="numpy sympy ...": prompts from these installed packages' docstrings, every
 # code-completion request and the first PACKAGE_QUESTIONS others, in two halves (one per GPU):
 # .device/data/packages-{1,2}.jsonl.gz, for train_default_draft.sh STAGE=data PROMPTS=...

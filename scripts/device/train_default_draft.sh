@@ -11,7 +11,7 @@
 #   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
 #   STAGE=train PROBE=1             first, ms per step side by side (scripts/train_step_costs.py)
 #   STAGE=train GPUS=2              one data-parallel run over both GPUs (mlx.launch, NCCL)
-# Data sets from earlier sessions come as .device/data/{sequences,completion}.jsonl.gz (carry .device/data).
+# Data sets from earlier sessions come as .device/data/FOLDER.sequences.jsonl.gz (carry .device/data).
 # Staging: `QWEN_PAIR=0 bash scripts/device/stage_all.sh` here (see its header), then on the
 #   device `bash .device/X/keep.sh` for a, c and d, then carry .device/b (and .device/data)
 #   and run e.g. `STAGE=data bash scripts/device/train_default_draft.sh`.
@@ -29,12 +29,10 @@ if [ "$MODEL" = smollm2-135m ]; then
   W=/tmp/work; mkdir -p $W $MLX_DFLASH_HOME/gguf
   [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
   python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
-  if [ -f .device/data/sequences.jsonl.gz ] && [ ! -f $W/data/sequences.jsonl ]; then
-    mkdir -p $W/data && zcat .device/data/sequences.jsonl.gz > $W/data/sequences.jsonl
-  fi
-  if [ -f .device/data/completion.jsonl.gz ] && [ ! -f $W/completion/sequences.jsonl ]; then
-    mkdir -p $W/completion && zcat .device/data/completion.jsonl.gz > $W/completion/sequences.jsonl
-  fi
+  for saved in .device/data/*.sequences.jsonl.gz; do  # saved data sets (stage_all.sh), once per machine
+    name=$(basename "$saved" .sequences.jsonl.gz)
+    [ -f "$saved" ] && [ ! -f $W/$name/sequences.jsonl ] && mkdir -p $W/$name && zcat "$saved" > $W/$name/sequences.jsonl
+  done
 else
   W=/tmp/work-$(basename "$MODEL"); mkdir -p $W
 fi
