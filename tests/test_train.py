@@ -17,7 +17,8 @@ from mlx.utils import tree_flatten
 from mlx_dflash import DFlashError, create_random_draft, generate, load_draft
 from mlx_dflash.data import (_function_header, build_dataset, greedy_batch, package_prompts, read_sequences,
                              stdlib_prompts)
-from mlx_dflash.train import TrainConfig, context_visibility, make_batch, read_training_records, train
+from mlx_dflash.train import (TrainConfig, context_visibility, make_batch, read_training_records, split_held_out,
+                              train)
 
 
 def test_context_visibility_matches_brute_force():
@@ -262,6 +263,16 @@ def test_data_parallel_run_trains_one_draft_on_both_processes(tiny_data, tmp_pat
     together = load_draft(str(out / "draft"))
     pairs = zip(tree_flatten(alone.parameters()), tree_flatten(together.parameters()))
     assert any(not mx.array_equal(a, b) for (_, a), (_, b) in pairs)
+
+
+def test_held_out_records_are_a_seeded_sample_kept_out_of_training():
+    records = [{"id": i} for i in range(100)]
+    held_out, training = split_held_out(records, 8, seed=0)
+    assert len(held_out) == 8 and len(training) == 92
+    assert {r["id"] for r in held_out}.isdisjoint(r["id"] for r in training)
+    assert split_held_out(records, 8, seed=0) == (held_out, training)  # a resumed run: the same split
+    assert any(r["id"] < 50 for r in held_out)  # from anywhere, not the tail of the last folder
+    assert split_held_out(records, 0, seed=0) == ([], records)
 
 
 def test_training_reads_several_data_folders(tiny_data, tmp_path):

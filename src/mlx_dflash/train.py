@@ -234,6 +234,14 @@ def frequent_tokens(records: list[dict], size: int) -> list[int]:
     return sorted(int(t) for t in top if counts[t] > 0)
 
 
+def split_held_out(records: list[dict], count: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held out, training): ``count`` records drawn at random (seeded: a resumed run holds out the
+    same ones) from all data folders, rather than the last ones, which `mlx-dflash data` writes
+    sorted by prompt length (the longest prompts of the last folder only)."""
+    held = set(np.random.default_rng(seed).permutation(len(records))[:count].tolist())
+    return [r for i, r in enumerate(records) if i in held], [r for i, r in enumerate(records) if i not in held]
+
+
 def check_in_sync(draft: DFlashDraft, world: mx.distributed.Group) -> None:
     """Data-parallel processes apply the same averaged gradients to the same start, so they must
     end with the same weights: a fingerprint per process (the sum of all weights), compared."""
@@ -258,7 +266,7 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
     records = read_training_records(data_dirs)
     if len(records) <= cfg.eval_prompts:
         raise DFlashError(f"{', '.join(data_dirs)}: {len(records)} usable sequences; need more than {cfg.eval_prompts}")
-    held_out, records = records[-cfg.eval_prompts :] if cfg.eval_prompts else [], records[: len(records) - cfg.eval_prompts]
+    held_out, records = split_held_out(records, cfg.eval_prompts, cfg.seed)
 
     start_step = 0
     state_file = out / "checkpoint" / "state.json"
