@@ -353,7 +353,8 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
                 per_step = mx.distributed.all_sum(mx.array(per_step if writer else 0.0), group=world).item()
             cfg.steps = max(step + 1, min(cfg.steps, start_step + int(cfg.time_budget / per_step)))
             bar.total = cfg.steps
-            bar.write(f"{per_step * 1000:.0f} ms/step: {cfg.steps} steps fit in the {cfg.time_budget:.0f} s budget")
+            if writer:
+                bar.write(f"{per_step * 1000:.0f} ms/step: {cfg.steps} steps fit in the {cfg.time_budget:.0f} s budget")
         last = step + 1 == cfg.steps
         if writer and held_out and (last or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
             acceptance = held_out_acceptance(target_model, tokenizer, draft, held_out, cfg.eval_tokens)
