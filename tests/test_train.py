@@ -146,6 +146,21 @@ def test_completion_headers_keep_doctest_examples():
     clamp.__doc__ += "\n>>> " + "x" * 900
     assert ">>>" not in _function_header("clamp", clamp)
 
+    def first(items):
+        """Return the first item.
+
+        Args:
+            items: A list.
+
+        Example:
+
+            >>> first([4, 5])
+            4
+        """
+
+    assert '    """\n    Return the first item.\n' in _function_header("first", first)
+    assert "\n    >>> first([4, 5])\n    4\n" in _function_header("first", first)  # not indented further
+
 
 def test_completion_prompts_hold_valid_python_headers():
     """The code-completion prompts show a function header and docstring that parse as Python."""

@@ -25,6 +25,7 @@ import json
 import pkgutil
 import random
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Iterator, Optional
@@ -70,10 +71,11 @@ MAX_HEADER_DOC = 800  # characters of docstring in a completion prompt
 
 
 def _doctest_part(paragraph: str) -> str:
-    """A paragraph from its first ``>>>`` line on (drops a heading such as numpy's "Examples")."""
-    lines = paragraph.strip().splitlines()
+    """A paragraph from its first ``>>>`` line on (drops a heading such as numpy's "Examples"),
+    dedented (Google-style docstrings indent their examples under "Example:")."""
+    lines = paragraph.splitlines()
     starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(">>>")]
-    return "\n".join(lines[starts[0]:]) if starts else ""
+    return textwrap.dedent("\n".join(lines[starts[0]:])).strip() if starts else ""
 
 
 def _header_docstring(doc: str) -> str:
