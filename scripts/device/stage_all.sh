@@ -41,18 +41,20 @@ for pair in data:session5-stdlib-all completion:session4-completion packages-1:s
 done
 # PROMPT_PACKAGES="numpy sympy ...": prompts from these installed packages' docstrings, every
 # code-completion request and the first PACKAGE_QUESTIONS others, in two halves (one per GPU):
-# .device/data/packages-{1,2}.jsonl.gz, for train_default_draft.sh STAGE=data PROMPTS=...
+# .device/data/PROMPT_NAME-{1,2}.jsonl.gz, for train_default_draft.sh STAGE=data PROMPTS=...
+# A new prompt set needs a new PROMPT_NAME (default packages, the sixth session's): data runs
+# resume by prompt number into the folder of that name.
 if [ -n "${PROMPT_PACKAGES:-}" ]; then
   mkdir -p .device/data
   python -c "
 import gzip, json, sys
 from mlx_dflash.data import package_prompts
-prompts = package_prompts(sys.argv[2:])
+prompts = package_prompts(sys.argv[3:])
 is_completion = lambda p: '\`\`\`python' in p
 chosen = [p for p in prompts if is_completion(p)] + [p for p in prompts if not is_completion(p)][: int(sys.argv[1])]
 for half in (1, 2):
-    with gzip.open(f'.device/data/packages-{half}.jsonl.gz', 'wt') as f:
+    with gzip.open(f'.device/data/{sys.argv[2]}-{half}.jsonl.gz', 'wt') as f:
         f.writelines(json.dumps({'prompt': p}) + '\n' for p in chosen[half - 1 :: 2])
-print(f'{len(chosen)} package prompts')" "${PACKAGE_QUESTIONS:-38000}" $PROMPT_PACKAGES
+print(f'{len(chosen)} package prompts')" "${PACKAGE_QUESTIONS:-38000}" "${PROMPT_NAME:-packages}" $PROMPT_PACKAGES
 fi
 du -sh .device/* | tr '\n' ' '; echo
