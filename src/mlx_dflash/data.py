@@ -74,8 +74,8 @@ def _doctest_part(paragraph: str) -> str:
     """A paragraph from its first ``>>>`` line on (drops a heading such as numpy's "Examples"),
     dedented (Google-style docstrings indent their examples under "Example:")."""
     lines = paragraph.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(">>>")]
-    return textwrap.dedent("\n".join(lines[starts[0]:])).strip() if starts else ""
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith(">>>")), None)
+    return "" if start is None else textwrap.dedent("\n".join(lines[start:])).strip()
 
 
 def _header_docstring(doc: str) -> str:
@@ -83,8 +83,7 @@ def _header_docstring(doc: str) -> str:
     a description and examples, the shape of the code-completion requests users make."""
     paragraphs = doc.split("\n\n")
     description = "\n\n".join(paragraphs[:2]).strip()
-    examples = [_doctest_part(p) for p in paragraphs[2:] if ">>>" in p]
-    examples = [e for e in examples if e][:2]
+    examples = [e for e in map(_doctest_part, paragraphs[2:]) if e][:2]
     with_examples = "\n\n".join([description, *examples])
     return with_examples if len(with_examples) <= MAX_HEADER_DOC else description
 
