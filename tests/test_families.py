@@ -84,8 +84,9 @@ def _assert_same_caches(rolled, direct):
         for x, y in zip(_flat_state(a), _flat_state(b), strict=True):
             assert x.shape == y.shape
             # within 1e-5 of the state's scale: verifying 16 rows vs feeding `keep` rows changes
-            # matmul blocking, so attention-layer keys differ in the last bits (recurrent states
-            # come out bit-identical); an 8-bit cache may round such a key one step differently
+            # matmul blocking, so attention-layer keys and recurrent states (the chunked delta
+            # rule, delta_rule.py) differ in the last bits; an 8-bit cache may round such a key
+            # one step differently
             x, y = x.astype(mx.float32), y.astype(mx.float32)
             step = mx.abs(y).max().item() / 127 if isinstance(a, QuantizedKVCache) else 0.0
             assert mx.abs(x - y).max().item() <= 1e-5 * max(mx.abs(y).max().item(), 1.0) + step
@@ -122,10 +123,12 @@ def test_rollback_parity(tiny_dir, kind, keep):
         target(block[:, :keep], direct)
     assert any(type(c).__name__ == kind for c in rolled)
     _assert_same_caches(rolled, direct)
-    # and both continue alike (an 8-bit cache's one-step rounding differences reach the logits)
+    # and both continue alike (an 8-bit cache's one-step rounding differences reach the logits;
+    # recurrent states that differ by ~1e-7 move these logits, scale ~10, by up to ~3e-4 with
+    # OpenBLAS; a wrong prefix moves them by whole units)
     nxt = mx.array([[42, 43, 44]])
     gap = mx.abs(target(nxt, rolled)[0] - target(nxt, direct)[0]).max().item()
-    assert gap <= (2e-2 if kind == "QuantizedKVCache" else 1e-4), gap
+    assert gap <= {"QuantizedKVCache": 2e-2, "ArraysCache": 1e-3}.get(kind, 1e-4), gap
 
 
 # ---------------------------------------------------------------------------

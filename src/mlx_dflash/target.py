@@ -6,8 +6,9 @@ ONE model instance are wrapped (``TappedLayer``) so that the model's own
 while the wrapped layers record their outputs. No mlx-lm class is patched.
 
 Rollback after a partially accepted block follows the cache type of each
-layer (``rollback.py``); hybrid families (Gated DeltaNet) also record the
-inputs of their recurrent layers so that the accepted tokens can be replayed.
+layer (``rollback.py``); the recurrent layers of hybrid families (Gated DeltaNet)
+get their token mixer wrapped (``delta_rule.py``) so that a verified block can be
+rewound to any prefix.
 """
 
 from __future__ import annotations
@@ -21,16 +22,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from .delta_rule import BlockDeltaMixer
 from .draft import DFlashDraft
 from .errors import DFlashError
-from .rollback import (
-    RECURRENT_MIXERS,
-    is_recurrent,
-    rewind_recurrent,
-    snapshot_recurrent,
-    trim_attention_cache,
-    unsupported_cache,
-)
+from .rollback import is_recurrent, trim_attention_cache, unsupported_cache
 
 # Families tested end to end against mlx-lm greedy (tests/test_families.py). Others fail
 # at load time: a family we have not checked could hide a cache we cannot roll back.
@@ -44,33 +39,26 @@ SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(h
 
 
 class _Recorder:
-    """Where tapped layers put their inputs and outputs; only records while ``active``."""
+    """Where tapped layers put their outputs; only records while ``active``."""
 
     def __init__(self) -> None:
         self.active = False
-        self.inputs: dict[int, mx.array] = {}
         self.outputs: dict[int, mx.array] = {}
 
 
 class TappedLayer(nn.Module):
-    """Wraps one decoder layer instance; records its output (a draft feature) and/or
-    its input (a recurrent layer's, for rollback)."""
+    """Wraps one decoder layer instance; records its output (a draft feature)."""
 
-    def __init__(self, layer: nn.Module, index: int, recorder: _Recorder, keep_output: bool, keep_input: bool):
+    def __init__(self, layer: nn.Module, index: int, recorder: _Recorder):
         super().__init__()
         self.layer = layer
         self.index = index
         self.recorder = recorder  # a plain object, so not part of the parameters
-        self.keep_output = keep_output
-        self.keep_input = keep_input
 
     def __call__(self, x, *args, **kwargs):
         out = self.layer(x, *args, **kwargs)
         if self.recorder.active:
-            if self.keep_input:
-                self.recorder.inputs[self.index] = x
-            if self.keep_output:
-                self.recorder.outputs[self.index] = out
+            self.recorder.outputs[self.index] = out
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -107,13 +95,10 @@ class Target:
         if odd:
             raise DFlashError(f"{family} uses caches mlx-dflash cannot roll back: {', '.join(odd)}")
         self.recurrent_ids = [i for i, c in enumerate(caches) if is_recurrent(c)]
-        self.mixer = RECURRENT_MIXERS.get(family)
-        if self.recurrent_ids and self.mixer is None:
-            raise DFlashError(f"{family} has recurrent layers but no known way to replay them")
         self.recorder = _Recorder()
-        self._snapshots: dict[int, list] = {}
-        self._block_inputs: dict[int, mx.array] = {}
+        self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
         self._install_taps()
+        self._install_block_mixers()
 
     # -- structure -------------------------------------------------------
     @property
@@ -134,17 +119,32 @@ class Target:
         for i in self.layer_ids:
             if not 0 <= i < len(layers):
                 raise DFlashError(f"target layer id {i} is out of range (target has {len(layers)} layers)")
-        wanted = {i: (i in self.layer_ids, i in self.recurrent_ids) for i in {*self.layer_ids, *self.recurrent_ids}}
         tapped = {i: layer for i, layer in enumerate(layers) if isinstance(layer, TappedLayer)}
-        if tapped and {i: (t.keep_output, t.keep_input) for i, t in tapped.items()} == wanted:
+        if tapped and set(tapped) == set(self.layer_ids):
             self.recorder = next(iter(tapped.values())).recorder  # same taps already in place: share them
             return
         for i, layer in tapped.items():  # different taps of an earlier Target: undo them
             layers[i] = layer.layer
-        for i, (keep_output, keep_input) in wanted.items():
-            layers[i] = TappedLayer(layers[i], i, self.recorder, keep_output, keep_input)
-        if not all(isinstance(self.model.layers[i], TappedLayer) for i in wanted):
+        for i in self.layer_ids:
+            layers[i] = TappedLayer(layers[i], i, self.recorder)
+        if not all(isinstance(self.model.layers[i], TappedLayer) for i in self.layer_ids):
             raise DFlashError(f"cannot tap layers of a {self.family} model: its layer list is not mutable")
+
+    def _decoder_layer(self, i: int) -> nn.Module:
+        """Layer ``i`` itself, under its tap if it has one."""
+        layer = self._layer_list()[i]
+        return layer.layer if isinstance(layer, TappedLayer) else layer
+
+    def _install_block_mixers(self) -> None:
+        """Wrap the token mixer of each recurrent layer (once per model instance)."""
+        for i in self.recurrent_ids:
+            layer = self._decoder_layer(i)
+            mixer = getattr(layer, "linear_attn", None)
+            if isinstance(mixer, BlockDeltaMixer):
+                continue
+            if mixer is None or not hasattr(mixer, "conv1d"):
+                raise DFlashError(f"{self.family} layer {i} has a recurrent cache but no Gated DeltaNet mixer")
+            layer.linear_attn = BlockDeltaMixer(mixer)
 
     # -- pieces the draft borrows -----------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
@@ -185,34 +185,26 @@ class Target:
 
     def __call__(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order)."""
-        if cache is not None:
-            self._snapshots = {i: snapshot_recurrent(cache[i]) for i in self.recurrent_ids}
+        self._latest_length = tokens.shape[1]
         self.recorder.active = True
         try:
             logits = self.model(tokens, cache=cache)
             tapped = [self.recorder.outputs[i] for i in self.layer_ids]
             features = mx.concatenate(tapped, axis=-1) if tapped else mx.zeros((*tokens.shape, 0))
-            self._block_inputs = dict(self.recorder.inputs)
         finally:
             self.recorder.active = False
-            self.recorder.outputs, self.recorder.inputs = {}, {}
+            self.recorder.outputs = {}
         return logits, features
 
     def rollback(self, cache: list[Any], num_tokens: int) -> None:
         """Drop the last ``num_tokens`` positions (rejected draft tokens) of the latest call."""
         if num_tokens == 0:
             return
-        layers = self._layer_list()
         for i, layer_cache in enumerate(cache):
             if i in self.recurrent_ids:
-                if i not in self._snapshots:
-                    raise RuntimeError("a recurrent cache can only roll back the latest call, once")
-                inputs = self._block_inputs[i]
-                rewind_recurrent(layer_cache, self._snapshots[i], self.mixer, layers[i].layer, inputs,
-                                 keep=inputs.shape[1] - num_tokens)
+                self._decoder_layer(i).linear_attn.rewind(layer_cache, keep=self._latest_length - num_tokens)
             else:
                 trim_attention_cache(layer_cache, num_tokens)
-        self._snapshots = {}  # a second rollback of the same call would replay stale inputs
 
 
 def float_dtype(model: nn.Module):
