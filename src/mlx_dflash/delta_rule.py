@@ -16,11 +16,14 @@ small matmuls, no triangular solver (MLX has one on the CPU only). The state aft
 first n tokens is then one matmul, so rolling back a rejected tail replays nothing.
 
 ``BlockDeltaMixer`` wraps ONE layer's token mixer instance (no mlx-lm class is patched):
-blocks of up to ``MAX_BLOCK`` tokens take this path; prompts, padded batches and anything
-else run mlx-lm's own forward. Its steps mirror mlx-lm's GatedDeltaNet forward (projections,
-causal conv window, normalised q/k, gated output norm); tests/test_families.py checks
-every hybrid family's DFlash tokens against mlx-lm greedy and the rollback against
-feeding the accepted tokens alone.
+blocks of 2 to ``MAX_BLOCK`` tokens take this path; single tokens, prompts, padded batches
+and anything else run mlx-lm's own forward (so plain decode steps stay mlx-lm's own).
+Its steps mirror mlx-lm's GatedDeltaNet forward (projections, causal conv window,
+normalised q/k, gated output norm); tests/test_families.py checks every hybrid family's
+DFlash tokens against mlx-lm greedy and the rollback against feeding the accepted tokens
+alone. Measured on the CPU so far (scripts/hybrid_rollback_costs.py); on Apple GPUs
+mlx-lm's fused kernel runs a block in one launch, so there the clear gain is the replay
+it saves.
 """
 
 from __future__ import annotations
@@ -104,8 +107,10 @@ class BlockDeltaMixer(nn.Module):
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
         m = self.mixer
         B, S, _ = inputs.shape
-        plain = (mask is not None or cache is None or S > MAX_BLOCK or getattr(m, "sharding_group", None) is not None
-                 or cache.lengths is not None or cache.left_padding is not None)
+        # One token (a plain decode step: mlx-lm's own step, a fused kernel on Apple GPUs; nothing
+        # to roll back), prompts, padded batches and sharded layers: mlx-lm's forward.
+        plain = (S == 1 or S > MAX_BLOCK or mask is not None or cache is None or cache.lengths is not None
+                 or cache.left_padding is not None or getattr(m, "sharding_group", None) is not None)
         if plain:
             self._latest = None
             return m(inputs, mask, cache)
