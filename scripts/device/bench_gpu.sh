@@ -3,7 +3,7 @@
 # a random draft as the worst case, mlx-lm's speculative decoding, and scale-mode costs.
 # Staging: scripts/device/stage_all.sh (it also writes .device/b/humaneval.jsonl).
 # DRAFT: a draft folder (default: the one trained by train_default_draft.sh if this machine
-# still has it, else the shipped one). PARTS="default floor speculative scale profile" (any of them, in
+# still has it, else the shipped one). PARTS="default floor speculative scale hybrid profile" (any of them, in
 # order; default: default); NO_EOS=1 generates the full lengths. speculative needs the two
 # Qwen2.5-Coder models staged as pieces .device/q01... (stage_all.sh), kept before this call.
 # Results: one $OUT/results-PARTS[-TAG].tgz (TAG names runs made side by side on two GPUs).
@@ -55,6 +55,11 @@ scale)  # the draft vocabulary at Qwen3.5-9B's shape (4-bit target, 248k-way hea
     echo "== Qwen3.5-9B shape, 4-bit, per-cycle costs, draft vocabulary: ${vocab:-all} =="
     bench --scale qwen3.5-9b --quant 4 --costs-only --lengths 1024 ${vocab:+--draft-vocab $vocab} --out "$R/q35_9b_vocab${vocab:-all}"
   done ;;
+hybrid)  # Qwen3.5-9B shape, bf16, random weights: one Gated DeltaNet layer's verify + rollback
+  # (mlx-lm's mixer + replay vs delta_rule.py), per-cycle costs, then the replay goal (>= 4x)
+  python3 scripts/hybrid_rollback_costs.py
+  bench --scale qwen3.5-9b --costs-only --lengths 1024 4096 --out "$R/q35_9b_costs"
+  bench --scale qwen3.5-9b --lengths 1024 --num-prompts 1 --replay-mean 6.5 --out "$R/q35_9b_replay" ;;
 profile)  # where a cycle's time goes (draft, verify, a plain step), per block size
   python3 scripts/profile_cycle.py smollm2-135m "$D" --blocks 4 8 16 --prompts .device/b/humaneval.jsonl 2>&1 | quiet ;;
 *) echo "unknown part: $part" ;;

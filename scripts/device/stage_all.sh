@@ -3,8 +3,8 @@
 #   bash scripts/device/stage_all.sh            (QWEN_PAIR=0: without the Qwen pair)
 # .device/a, .device/b: MLX (CUDA) + mlx-lm, HumanEval prompts (.device/b/humaneval.jsonl);
 # .device/c, .device/d: SmolLM2-135M's GGUF; .device/q01...: the Qwen2.5-Coder 0.5B/1.5B pair
-# in 4-bit (for bench_gpu.sh PARTS=speculative), 55 MiB a folder; .device/data: saved training
-# sets for train_default_draft.sh (below).
+# in 4-bit (for bench_gpu.sh PARTS=speculative), 55 MiB a folder; .device/saved: the saved
+# training sets (kept under /opt/stage like the others); .device/data: prompt files (below).
 # Then, on the device: `bash .device/X/keep.sh` with .device/X carried, for a, then every
 # other folder with a keep.sh, then the script itself with .device/b (and .device/data)
 # carried: env.sh re-joins the pieces under $DEVICE_FILES. See ../shared/device/README.md.
@@ -30,14 +30,16 @@ if [ "${QWEN_PAIR:-1}" = 1 ]; then
   done
   rm -rf "$pair"
 fi
-# the saved SmolLM2 data sets, each as .device/data/FOLDER.sequences.jsonl.gz (train_default_draft.sh
-# unpacks it to /tmp/work/FOLDER, where STAGE=data resumes it): stdlib (42,258 responses),
-# completion (4,736), package prompts (2 x 26,112)
+# the saved SmolLM2 data sets, each as .device/saved/FOLDER.sequences.jsonl.gz, kept as
+# /opt/stage/FOLDER.sequences.jsonl.gz (train_default_draft.sh unpacks it to /tmp/work/FOLDER,
+# where STAGE=data resumes it): stdlib (42,258 responses), completion (4,736), package prompts
+# (2 x 26,112 and 2 x 12,303); 22.5 MB in all
 saved=$HOME/.cache/mlx-dflash-training-data
+mkdir -p .device/saved && cp .device/c/keep.sh .device/saved/
 for pair in data:session5-stdlib-all completion:session4-completion packages-1:session6-packages-1 \
-            packages-2:session6-packages-2; do
+            packages-2:session6-packages-2 packages3-1:session7-packages3-1 packages3-2:session7-packages3-2; do
   file=$saved/${pair#*:}-sequences.jsonl.gz
-  if [ -f "$file" ]; then mkdir -p .device/data && cp "$file" .device/data/${pair%%:*}.sequences.jsonl.gz; fi
+  if [ -f "$file" ]; then cp "$file" .device/saved/${pair%%:*}.sequences.jsonl.gz; fi
 done
 # PROMPT_PACKAGES="numpy sympy ...": prompts from these installed packages' docstrings, every
 # code-completion request and the first PACKAGE_QUESTIONS others, in two halves (one per GPU):

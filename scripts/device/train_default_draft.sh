@@ -11,9 +11,9 @@
 #   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
 #   STAGE=train PROBE=1             first, ms per step side by side (scripts/train_step_costs.py)
 #   STAGE=train GPUS=2              one data-parallel run over both GPUs (mlx.launch, NCCL)
-# Data sets from earlier sessions come as .device/data/FOLDER.sequences.jsonl.gz (carry .device/data).
+# Data sets from earlier sessions come as /opt/stage/FOLDER.sequences.jsonl.gz (keep .device/saved).
 # Staging: `QWEN_PAIR=0 bash scripts/device/stage_all.sh` here (see its header), then on the
-#   device `bash .device/X/keep.sh` for a, c and d, then carry .device/b (and .device/data)
+#   device `bash .device/X/keep.sh` for a, c, d and saved, then carry .device/b (and .device/data)
 #   and run e.g. `STAGE=data bash scripts/device/train_default_draft.sh`.
 # Knobs (env): DATA_SECONDS, TRAIN_SECONDS, LAYERS, BATCH, VOCAB (draft vocabulary, default 8192).
 # MODEL: another target (an mlx-lm folder, e.g. /tmp/models/qwen2.5-coder-1.5b, which
@@ -29,7 +29,7 @@ if [ "$MODEL" = smollm2-135m ]; then
   W=/tmp/work; mkdir -p $W $MLX_DFLASH_HOME/gguf
   [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
   python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
-  for saved in .device/data/*.sequences.jsonl.gz; do  # saved data sets (stage_all.sh), once per machine
+  for saved in /opt/stage/*.sequences.jsonl.gz; do  # saved data sets (stage_all.sh), once per machine
     name=$(basename "$saved" .sequences.jsonl.gz)
     [ -f "$saved" ] && [ ! -f $W/$name/sequences.jsonl ] && mkdir -p $W/$name && zcat "$saved" > $W/$name/sequences.jsonl
   done
