@@ -3,7 +3,7 @@
     python scripts/trace_policy.py DRAFT [--model smollm2-135m] [--prompts FILE.jsonl]
         [--prompt-index 1 2 ...] [--tokens 256]
 
-For each HumanEval prompt (EOS off), runs adaptive DFlash and mlx-lm greedy (after one
+For each chosen prompt (HumanEval unless --prompts; EOS off), runs adaptive DFlash and mlx-lm greedy (after one
 warm-up generation) and prints: both speeds; every cycle that was not plain decoding
 (block size, acceptance, ms) when there are few, else a count per block size; the total
 time of plain and non-plain cycles (the exploration and probe cost a poor draft adds);

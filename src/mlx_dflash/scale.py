@@ -101,9 +101,9 @@ def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, it
     decode at ``context_len``, and the host's share of a cycle. Rollback is timed as (verify +
     roll back half) - (verify + roll back all): the full rollback is free for every cache, the
     half one is what a hybrid's recurrent layers add (the state after a prefix, delta_rule.py).
-    Host: building one cycle's
-    graphs (draft, then verify) in Python before anything runs; where it is not hidden behind
-    the device's work (small models on GPUs) it adds to every cycle."""
+    Host: building one cycle's graphs (draft, then verify) in Python before anything runs;
+    where it is not hidden behind the device's work (small models on GPUs) it adds to every
+    cycle."""
     target = Target(model, draft.config.target_layer_ids)
     proposer = DFlashProposer(draft)
     proposer.start(target)
