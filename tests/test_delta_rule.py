@@ -4,7 +4,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 
-from mlx_dflash.delta_rule import chunk_delta_rule, state_after
+from mlx_dflash.delta_rule import MAX_BLOCK, chunk_delta_rule, state_after
+from mlx_dflash.target import Target
+from tiny_models import load_tiny, make_tiny_target
 
 
 def _inputs(steps: int, decay_low: float, seed: int):
@@ -34,3 +36,21 @@ def test_chunk_equals_token_by_token(steps, decay_low):
     for n in sorted({0, 1, steps // 2, steps - 1}):  # the state after every kind of prefix
         _, prefix_state = gated_delta_ops(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state) if n else (None, state)
         assert mx.abs(state_after(chunk, n) - prefix_state).max().item() <= 1e-5 * mx.abs(prefix_state).max().item()
+
+
+def test_rollback_of_unchunked_calls(tmp_path):
+    """A single token (mlx-lm's own step) rolls back whole; a prompt longer than a block
+    (mlx-lm's forward, no per-prefix states) cannot be cut partway."""
+    model, _ = load_tiny(make_tiny_target(tmp_path / "hybrid", "qwen3_5"))
+    target = Target(model, [1])
+    recurrent = target.recurrent_ids[0]
+    cache = target.make_cache()
+    target(mx.array([[5, 6, 7]]), cache)
+    before = list(cache[recurrent].cache)
+    target(mx.array([[8]]), cache)
+    target.rollback(cache, 1)
+    assert all(mx.array_equal(x, y) for x, y in zip(cache[recurrent].cache, before, strict=True))
+    cache = target.make_cache()
+    target(mx.array([[i % 200 for i in range(MAX_BLOCK + 6)]]), cache)
+    with pytest.raises(RuntimeError, match="part of it only after a block"):
+        target.rollback(cache, 5)

@@ -91,7 +91,8 @@ class BlockDeltaMixer(nn.Module):
     def __init__(self, mixer: nn.Module):
         super().__init__()
         self.mixer = mixer
-        self._latest: Optional[tuple] = None  # (conv window + inputs, chunk) of the latest call
+        self._before: Optional[list] = None  # the cache's arrays before the latest call
+        self._latest: Optional[tuple] = None  # (conv window + inputs, chunk) of the latest chunked call
 
     def _projections(self, inputs: mx.array) -> tuple[mx.array, ...]:
         """(q|k|v before the conv [B, S, conv_dim], z [B, S, Hv, Dv], b, a [B, S, Hv])."""
@@ -111,8 +112,9 @@ class BlockDeltaMixer(nn.Module):
         # to roll back), prompts, padded batches and sharded layers: mlx-lm's forward.
         plain = (S == 1 or S > MAX_BLOCK or mask is not None or cache is None or cache.lengths is not None
                  or cache.left_padding is not None or getattr(m, "sharding_group", None) is not None)
+        self._before = None if cache is None else list(cache.cache)  # mlx arrays are immutable
+        self._latest = None
         if plain:
-            self._latest = None
             return m(inputs, mask, cache)
         qkv, z, b, a = self._projections(inputs)
         window = cache[0] if cache[0] is not None else mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), inputs.dtype)
@@ -137,11 +139,15 @@ class BlockDeltaMixer(nn.Module):
         return m.out_proj(out.reshape(B, S, -1))
 
     def rewind(self, cache: Any, keep: int) -> None:
-        """Set ``cache`` to its state after the first ``keep`` tokens of the latest call."""
-        if self._latest is None:
-            raise RuntimeError("only a block run by BlockDeltaMixer can be rolled back")
-        conv_input, chunk = self._latest
-        window = self.mixer.conv_kernel_size - 1
-        cache[0] = mx.contiguous(conv_input[:, keep : keep + window])
-        cache[1] = state_after(chunk, keep)
-        self._latest = None
+        """Set ``cache`` to its state after the first ``keep`` tokens of the latest call (any
+        prefix of a chunked block; of other calls, none of it)."""
+        if keep == 0 and self._before is not None:
+            cache.cache = list(self._before)
+        elif self._latest is not None:
+            conv_input, chunk = self._latest
+            window = self.mixer.conv_kernel_size - 1
+            cache[0] = mx.contiguous(conv_input[:, keep : keep + window])
+            cache[1] = state_after(chunk, keep)
+        else:
+            raise RuntimeError("a recurrent cache can roll back its latest call, once; part of it only after a block")
+        self._before = self._latest = None
