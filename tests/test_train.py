@@ -126,6 +126,32 @@ def test_package_prompts_come_from_installed_packages():
         package_prompts(["no_such_package"])
 
 
+def test_package_prompts_skip_objects_that_raise_when_inspected(tmp_path, monkeypatch):
+    """Django's unconfigured settings raise on any attribute read, its lazy translations on
+    repr: such objects (and headers showing them) are left out, not the whole package."""
+    (tmp_path / "lazy_pkg.py").write_text('''
+class _Unconfigured:
+    def __getattribute__(self, name):
+        raise RuntimeError("settings are not configured")
+
+class _NoRepr:
+    def __repr__(self):
+        raise RuntimeError("no translation yet")
+
+settings = _Unconfigured()
+
+def greet(name, greeting=_NoRepr()):
+    """Return a friendly greeting for the given person by name."""
+
+def add_numbers(a, b):
+    """Add two numbers together and return their sum to the caller."""
+''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prompts = package_prompts(["lazy_pkg"])
+    assert any("def add_numbers(a, b):" in p for p in prompts)
+    assert not any("def greet(" in p for p in prompts) and any("friendly greeting" in p for p in prompts)
+
+
 def test_completion_headers_keep_doctest_examples():
     """A completion request shows the description and the doctest examples (not their heading),
     like a user's "complete this function"; a docstring too long for both keeps the description."""

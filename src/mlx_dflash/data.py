@@ -100,7 +100,10 @@ def _function_header(name: str, obj) -> Optional[str]:
     if not 20 <= len(doc) <= MAX_HEADER_DOC:
         return None
     body = "\n".join("    " + line if line.strip() else "" for line in doc.splitlines())
-    header = f'def {name}{signature.replace(parameters=params)}:\n    """\n{body}\n    """'
+    try:
+        header = f'def {name}{signature.replace(parameters=params)}:\n    """\n{body}\n    """'
+    except Exception:  # a default whose repr raises (a lazy object, e.g. Django's translations)
+        return None
     try:
         function = ast.parse(header).body[0]
     except SyntaxError:
@@ -113,11 +116,18 @@ def _function_header(name: str, obj) -> Optional[str]:
     return header
 
 
+def _is_function_or_class(obj) -> bool:
+    try:
+        return inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)
+    except Exception:  # a lazy object that raises when inspected (Django's unconfigured settings)
+        return False
+
+
 def _documented_objects(module_name: str, module) -> Iterator[tuple[str, str, str, object]]:
     """(name, qualname, first docstring sentence, object) of a module's own public functions,
     classes and class methods (re-exports from other modules are skipped: they repeat)."""
     for name, obj in sorted(vars(module).items()):
-        if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj)):
+        if name.startswith("_") or not _is_function_or_class(obj):
             continue
         if getattr(obj, "__module__", module_name) != module_name:
             continue
