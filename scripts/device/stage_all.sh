@@ -42,21 +42,25 @@ for pair in data:session5-stdlib-all completion:session4-completion packages-1:s
   if [ -f "$file" ]; then cp "$file" .device/saved/${pair%%:*}.sequences.jsonl.gz; fi
 done
 # PROMPT_PACKAGES="numpy sympy ...": prompts from these installed packages' docstrings, every
-# code-completion request and the first PACKAGE_QUESTIONS others, in two halves (one per GPU):
-# .device/data/PROMPT_NAME-{1,2}.jsonl.gz, for train_default_draft.sh STAGE=data PROMPTS=...
-# A new prompt set needs a new PROMPT_NAME (default packages, the sixth session's): data runs
-# resume by prompt number into the folder of that name.
+# code-completion request and the first PACKAGE_QUESTIONS others, in two halves (one per GPU),
+# saved as ~/.cache/mlx-dflash-training-data/prompts/PROMPT_NAME-{1,2}.jsonl.gz. Every prompt
+# set saved there is staged as .device/data/NAME-{1,2}.jsonl.gz (for train_default_draft.sh
+# STAGE=data PROMPTS=...; .device is rebuilt on each run); move a set to prompts/answered/ once
+# its responses are saved. A new prompt set needs a new PROMPT_NAME: data runs resume by prompt
+# number into the folder of that name.
+mkdir -p "$saved/prompts" .device/data
 if [ -n "${PROMPT_PACKAGES:-}" ]; then
-  mkdir -p .device/data
   python -c "
 import gzip, json, sys
 from mlx_dflash.data import package_prompts
-prompts = package_prompts(sys.argv[3:])
+prompts = package_prompts(sys.argv[4:])
 is_completion = lambda p: '\`\`\`python' in p
 chosen = [p for p in prompts if is_completion(p)] + [p for p in prompts if not is_completion(p)][: int(sys.argv[1])]
 for half in (1, 2):
-    with gzip.open(f'.device/data/{sys.argv[2]}-{half}.jsonl.gz', 'wt') as f:
+    with gzip.open(f'{sys.argv[3]}/{sys.argv[2]}-{half}.jsonl.gz', 'wt') as f:
         f.writelines(json.dumps({'prompt': p}) + '\n' for p in chosen[half - 1 :: 2])
-print(f'{len(chosen)} package prompts')" "${PACKAGE_QUESTIONS:-38000}" "${PROMPT_NAME:-packages}" $PROMPT_PACKAGES
+print(f'{len(chosen)} package prompts')" "${PACKAGE_QUESTIONS:-38000}" "${PROMPT_NAME:-packages}" "$saved/prompts" \
+    $PROMPT_PACKAGES
 fi
+cp "$saved"/prompts/*.jsonl.gz .device/data/ 2>/dev/null || true
 du -sh .device/* | tr '\n' ' '; echo
