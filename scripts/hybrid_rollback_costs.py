@@ -1,8 +1,9 @@
 """One Gated DeltaNet layer at Qwen3.5-9B dims: a 16-token verify and the rollback to k
-accepted tokens, mlx-lm's own mixer (token-by-token recurrence, rollback by replaying the
-accepted tokens) against delta_rule.BlockDeltaMixer (chunked form, rollback by one matmul).
-Run: python scripts/hybrid_rollback_costs.py [--iters 10] (on Linux, with OpenBLAS in
-LD_PRELOAD as `mlx-dflash doctor` describes; on a GPU as is)."""
+accepted tokens, then a prompt's prefill; mlx-lm's own mixer (token-by-token recurrence,
+rollback by replaying the accepted tokens) against delta_rule.BlockDeltaMixer (chunked form,
+rollback by one matmul). Run: python scripts/hybrid_rollback_costs.py [--iters 10]
+[--prompt-len 512] (on Linux, with OpenBLAS in LD_PRELOAD as `mlx-dflash doctor` describes;
+on a GPU as is)."""
 
 import argparse
 import time
@@ -15,6 +16,7 @@ from mlx_dflash.delta_rule import BlockDeltaMixer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--iters", type=int, default=10)
+parser.add_argument("--prompt-len", type=int, default=512)
 args = parser.parse_args()
 
 config = TextModelArgs(model_type="qwen3_5", hidden_size=4096, intermediate_size=12288, num_hidden_layers=4,
@@ -64,7 +66,17 @@ def block_cycle(keep: int):
     return run
 
 
+def prefill(mixer, prompt: mx.array):
+    def run():
+        cache = ArraysCache(size=2)
+        mx.eval(mixer(prompt, None, cache), cache.cache)
+    return run
+
+
 print(f"{mx.default_device()}, one Gated DeltaNet layer at Qwen3.5-9B dims, ms per verify of 16 tokens + rollback")
 for keep in (16, 8, 1):
     print(f"keep {keep:2d}: mlx-lm mixer + replay {timed(mlx_lm_cycle(keep)):6.1f} ms, "
           f"chunked mixer + rewind {timed(block_cycle(keep)):6.1f} ms")
+prompt = layer.input_layernorm(mx.random.normal((1, args.prompt_len, 4096)))
+print(f"prefill of {args.prompt_len} tokens: mlx-lm mixer {timed(prefill(mlx_lm_mixer, prompt)):6.1f} ms, "
+      f"chunked mixer {timed(prefill(block_mixer, prompt)):6.1f} ms")

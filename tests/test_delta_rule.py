@@ -2,11 +2,14 @@
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.gated_delta import gated_delta_ops
 
+from mlx_dflash import generate
 from mlx_dflash.delta_rule import MAX_BLOCK, chunk_delta_rule, state_after
+from mlx_dflash.replay import ReplayProposer
 from mlx_dflash.target import Target
-from tiny_models import load_tiny, make_tiny_target
+from tiny_models import VOCAB_SIZE, load_tiny, make_tiny_target, tiny_pair
 
 
 def _inputs(steps: int, decay_low: float, seed: int):
@@ -40,7 +43,7 @@ def test_chunk_equals_token_by_token(steps, decay_low):
 
 def test_rollback_of_unchunked_calls(tmp_path):
     """A single token (mlx-lm's own step) rolls back whole; a prompt longer than a block
-    (mlx-lm's forward, no per-prefix states) cannot be cut partway."""
+    (chunk after chunk, no per-prefix states kept) cannot be cut partway."""
     model, _ = load_tiny(make_tiny_target(tmp_path / "hybrid", "qwen3_5"))
     target = Target(model, [1])
     recurrent = target.recurrent_ids[0]
@@ -54,3 +57,25 @@ def test_rollback_of_unchunked_calls(tmp_path):
     target(mx.array([[i % 200 for i in range(MAX_BLOCK + 6)]]), cache)
     with pytest.raises(RuntimeError, match="part of it only after a block"):
         target.rollback(cache, 5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_long_prompts_prefill_chunk_by_chunk(tmp_path, family):
+    """A prompt of several chunks: the same logits and recurrent state as mlx-lm's own
+    token-by-token forward, and DFlash after it still gives mlx-lm's greedy tokens."""
+    text = "".join(chr(97 + (7 * i) % 26) for i in range(3 * MAX_BLOCK + 10))
+    model, tokenizer, prompt, reference = tiny_pair(tmp_path / family, family, text, 48)
+    unwrapped, _ = load_tiny(tmp_path / family)
+    plain_cache = make_prompt_cache(unwrapped)
+    expected = unwrapped(mx.array([prompt]), cache=plain_cache)
+    target = Target(model, [1])
+    cache = target.make_cache()
+    logits, _ = target(mx.array([prompt]), cache)
+    # float noise (summation order) grows through the tiny random layers to ~2e-4 of the logits'
+    # scale with OpenBLAS; a state carried wrongly between chunks moves them by whole units
+    assert mx.abs(logits - expected).max().item() <= 1e-3 * mx.abs(expected).max().item()
+    for i in target.recurrent_ids:
+        state, want = cache[i].cache[1], plain_cache[i].cache[1]
+        assert mx.abs(state - want).max().item() <= 1e-5 * mx.abs(want).max().item()
+    proposer = ReplayProposer(prompt + reference, 16, [0, 3, 7, None, 1, 14], VOCAB_SIZE)
+    assert generate(model, tokenizer, prompt, proposer, max_tokens=48).tokens == reference

@@ -16,8 +16,10 @@ small matmuls, no triangular solver (MLX has one on the CPU only). The state aft
 first n tokens is then one matmul, so rolling back a rejected tail replays nothing.
 
 ``BlockDeltaMixer`` wraps ONE layer's token mixer instance (no mlx-lm class is patched):
-blocks of 2 to ``MAX_BLOCK`` tokens take this path; single tokens, prompts, padded batches
-and anything else run mlx-lm's own forward (so plain decode steps stay mlx-lm's own).
+blocks of 2 to ``MAX_BLOCK`` tokens take this path, and so do prompts, ``MAX_BLOCK`` tokens a
+chunk (except on Apple GPUs, where mlx-lm's fused kernel takes a prompt in one launch); single
+tokens, padded batches and anything else run mlx-lm's own forward (so plain decode steps stay
+mlx-lm's own).
 Its steps mirror mlx-lm's GatedDeltaNet forward (projections, causal conv window,
 normalised q/k, gated output norm); tests/test_families.py checks every hybrid family's
 DFlash tokens against mlx-lm greedy and the rollback against feeding the accepted tokens
@@ -34,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-MAX_BLOCK = 64  # longer inputs (prompts) run mlx-lm's own forward
+MAX_BLOCK = 64  # tokens per chunk; a verify block is one chunk, a prompt several
 
 
 def _inverse_unit_lower(n: mx.array) -> mx.array:
@@ -109,8 +111,10 @@ class BlockDeltaMixer(nn.Module):
         m = self.mixer
         B, S, _ = inputs.shape
         # One token (a plain decode step: mlx-lm's own step, a fused kernel on Apple GPUs; nothing
-        # to roll back), prompts, padded batches and sharded layers: mlx-lm's forward.
-        plain = (S == 1 or S > MAX_BLOCK or mask is not None or cache is None or cache.lengths is not None
+        # to roll back), prompts on Apple GPUs (that kernel takes a whole prompt in one launch),
+        # padded batches and sharded layers: mlx-lm's forward.
+        metal_prompt = S > MAX_BLOCK and mx.default_device() == mx.gpu and mx.metal.is_available()
+        plain = (S == 1 or metal_prompt or mask is not None or cache is None or cache.lengths is not None
                  or cache.left_padding is not None or getattr(m, "sharding_group", None) is not None)
         self._before = None if cache is None else list(cache.cache)  # mlx arrays are immutable
         self._latest = None
@@ -130,12 +134,19 @@ class BlockDeltaMixer(nn.Module):
             q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
         state = cache[1] if cache[1] is not None else mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), mx.float32)
         log_g = mx.log(mx.maximum(compute_g(m.A_log, a, m.dt_bias), 1e-30))  # a full decay: G ~ 0, not log 0
-        heads_first = lambda x: x.swapaxes(1, 2)  # [B, S, H, ...] -> [B, H, S, ...]
-        y, chunk = chunk_delta_rule(heads_first(q), heads_first(k), heads_first(v), heads_first(log_g),
-                                    heads_first(mx.sigmoid(b)), state)
-        cache[1] = state_after(chunk, S)
-        self._latest = (conv_input, chunk)
-        out = m.norm(heads_first(y).astype(inputs.dtype), z)
+        q, k, v, log_g, beta = (x.swapaxes(1, 2) for x in (q, k, v, log_g, mx.sigmoid(b)))  # heads first
+        ys = []
+        for start in range(0, S, MAX_BLOCK):  # a prompt: chunk after chunk, carrying the state
+            part = slice(start, start + MAX_BLOCK)
+            y, chunk = chunk_delta_rule(q[:, :, part], k[:, :, part], v[:, :, part], log_g[..., part],
+                                        beta[..., part], state)
+            state = state_after(chunk, y.shape[2])
+            ys.append(y)
+        cache[1] = state
+        if S <= MAX_BLOCK:  # a block: keep what rewinding to any prefix needs
+            self._latest = (conv_input, chunk)
+        y = mx.concatenate(ys, axis=2) if len(ys) > 1 else ys[0]
+        out = m.norm(y.swapaxes(1, 2).astype(inputs.dtype), z)
         return m.out_proj(out.reshape(B, S, -1))
 
     def rewind(self, cache: Any, keep: int) -> None:
