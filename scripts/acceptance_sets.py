@@ -20,7 +20,7 @@ import random
 from tqdm import tqdm
 
 from mlx_dflash import generate, load_draft, load_target
-from mlx_dflash.bench import humaneval_prompts
+from mlx_dflash.bench import acceptance_by_position, humaneval_prompts
 from mlx_dflash.data import encode_chat
 from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
 from mlx_dflash.target import float_dtype
@@ -48,7 +48,7 @@ for name, prompts in sets.items():
     accepted = []
     for prompt in tqdm(prompts, desc=name, leave=False):
         accepted += generate(model, tok, prompt, draft, max_tokens=args.tokens).acceptance_lengths
-    by_position = [sum(a > k for a in accepted) / len(accepted) for k in range(1, 8)]
+    by_position = acceptance_by_position(accepted, block_size=8)
     print(f"{name}: {len(prompts)} prompts, {len(accepted)} cycles, mean acceptance "
           f"{sum(accepted) / len(accepted):.2f}, by position {' / '.join(f'{p:.3f}' for p in by_position)}",
           flush=True)

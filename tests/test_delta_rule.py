@@ -30,9 +30,8 @@ def _inputs(steps: int, decay_low: float, seed: int):
 def test_chunk_equals_token_by_token(steps, decay_low):
     q, k, v, g, beta, state = _inputs(steps, decay_low, seed=steps)
     y_ref, state_ref = gated_delta_ops(q, k, v, g, beta, state)
-    heads_first = lambda x: mx.repeat(x, 2, axis=2).swapaxes(1, 2) if x.shape[2] == 2 else x.swapaxes(1, 2)
-    y, chunk = chunk_delta_rule(heads_first(q), heads_first(k), heads_first(v), heads_first(mx.log(g)),
-                                heads_first(beta), state)
+    q4, k4 = (mx.repeat(x, 2, axis=2) for x in (q, k))  # the 2 key heads repeated to the 4 value heads
+    y, chunk = chunk_delta_rule(*(x.swapaxes(1, 2) for x in (q4, k4, v, mx.log(g), beta)), state)
     scale = mx.abs(y_ref).max().item()
     assert mx.abs(y.swapaxes(1, 2) - y_ref).max().item() <= 1e-5 * scale
     assert mx.abs(state_after(chunk, steps) - state_ref).max().item() <= 1e-5 * mx.abs(state_ref).max().item()

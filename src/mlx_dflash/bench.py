@@ -100,6 +100,12 @@ def token_match(tokens: list[int], reference: list[int]) -> Union[bool, int]:
     return True if len(tokens) == len(reference) else n
 
 
+def acceptance_by_position(acceptance: list[int], block_size: int) -> list[float]:
+    """P(draft slot k accepted), k = 1 .. block_size - 1: the cycles whose acceptance length
+    exceeds k, over all cycles."""
+    return [float(np.mean([a > k for a in acceptance])) for k in range(1, block_size)]
+
+
 def summarize(runs: list[Run], block_size: int) -> dict:
     """Per method and length: medians over repeats, then totals over prompts."""
     out: dict = {}
@@ -129,8 +135,7 @@ def summarize(runs: list[Run], block_size: int) -> dict:
                 "cycles": len(acceptance),
                 "mean_acceptance_length": float(np.mean(acceptance)),
                 "acceptance_histogram": hist.tolist(),  # index i: acceptance length i + 1
-                # slot k (1..bs-1) accepted when the cycle's acceptance length exceeds k
-                "acceptance_by_position": [float(np.mean([a > k for a in acceptance])) for k in range(1, block_size)],
+                "acceptance_by_position": acceptance_by_position(acceptance, block_size),
             }
         out[f"{method}@{length}"] = entry
     for entry in out.values():
