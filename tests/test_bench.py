@@ -3,6 +3,9 @@
 import functools
 import json
 
+import mlx.core as mx
+import pytest
+
 from tiny_models import MASK_ID, VOCAB_SIZE, load_tiny, make_tiny_target
 
 from mlx_dflash import create_random_draft
@@ -49,6 +52,20 @@ def test_bench_runs_and_writes_everything(tiny_dir, tmp_path):
     for png in ("tokens_per_sec.png", "acceptance.png"):
         assert (tmp_path / png).stat().st_size > 0
     assert "| dflash | 12 |" in markdown_table(summary)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-hybrid"])
+def test_scale_targets_have_a_steady_greedy_continuation(shape):
+    """A replay needs a trajectory that bfloat16 rounding cannot flip: near-flat random logits
+    (top two often tied) made the H200's Qwen3.5-9B-shape replay of 6.5 accept 1.00."""
+    from mlx_dflash.scale import random_target
+
+    model, config = random_target(shape)
+    tokens = mx.random.randint(0, config["vocab_size"], (1, 32), key=mx.random.key(0))
+    logits = model(tokens).astype(mx.float32)[0]
+    second, first = mx.split(mx.sort(logits, axis=-1)[:, -2:], 2, axis=-1)
+    assert mx.array_equal(mx.argmax(logits, axis=-1), tokens[0])
+    assert mx.min((first - second) / mx.abs(first)).item() > 0.2
 
 
 def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):

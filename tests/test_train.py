@@ -17,8 +17,8 @@ from mlx.utils import tree_flatten
 from mlx_dflash import DFlashError, create_random_draft, generate, load_draft
 from mlx_dflash.data import (_function_header, build_dataset, greedy_batch, package_prompts, read_sequences,
                              stdlib_prompts)
-from mlx_dflash.train import (TrainConfig, context_visibility, make_batch, read_training_records, split_held_out,
-                              train)
+from mlx_dflash.train import (TrainConfig, context_visibility, held_out_and_training_records, make_batch,
+                              read_training_records, split_held_out, train)
 
 
 def test_context_visibility_matches_brute_force():
@@ -323,6 +323,24 @@ def test_training_reads_several_data_folders(tiny_data, tmp_path):
     (copy / "sequences.jsonl").write_text((data / "sequences.jsonl").read_text())
     one, two = read_training_records([str(data)]), read_training_records([str(data), str(copy)])
     assert len(one) > 0 and two == one + one
+
+
+def test_held_out_prompts_can_come_from_one_folder(tmp_path):
+    folders = []
+    for name, first_id in (("old", 0), ("new", 100)):
+        folder = tmp_path / name
+        folder.mkdir()
+        records = [{"id": first_id + i, "tokens": [1, 2, 3, 4], "prompt_len": 1} for i in range(20)]
+        (folder / "sequences.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        folders.append(str(folder))
+    cfg = TrainConfig(eval_prompts=5, held_out_from=str(tmp_path / "." / "new"))
+    held_out, training = held_out_and_training_records(folders, cfg)
+    assert len(held_out) == 5 and all(r["id"] >= 100 for r in held_out)
+    assert len(training) == 35 and {r["id"] for r in held_out}.isdisjoint(r["id"] for r in training)
+    held_anywhere, _ = held_out_and_training_records(folders, TrainConfig(eval_prompts=5))
+    assert len(held_anywhere) == 5
+    with pytest.raises(DFlashError, match="not one of the --data folders"):
+        held_out_and_training_records(folders[:1], cfg)
 
 
 def test_time_budget_shortens_the_run(tiny_data, tmp_path):

@@ -8,7 +8,8 @@
 #   STAGE=train        train a new draft on every data set in $W (RUN=folder, default $W/run;
 #                      its bf16 and 8-bit forms go to $RUN-ship; LR, default 6e-4)
 #   STAGE=train RESUME_STEPS=N      continue that run, cosine stretched to N steps
-#   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft
+#   STAGE=train INIT=DRAFT          fine-tune DRAFT (e.g. the shipped one) instead of a random draft;
+#                                   HELD_OUT=FOLDER (a data set DRAFT never saw): held-out prompts from it
 #   STAGE=train PROBE=1             first, ms per step side by side (scripts/train_step_costs.py)
 #   STAGE=train GPUS=2              one data-parallel run over both GPUs (mlx.launch, NCCL)
 # Data sets from earlier sessions come as /opt/stage/FOLDER.sequences.jsonl.gz (keep .device/saved).
@@ -64,6 +65,7 @@ else
       --steps "$RESUME_STEPS" --time-budget "${TRAIN_SECONDS:-400}" 2>&1 | quiet | tail -4
   else
     INIT_ARGS=(--layers "${LAYERS:-5}"); [ -n "${INIT:-}" ] && INIT_ARGS=(--init "$INIT")
+    [ -n "${HELD_OUT:-}" ] && INIT_ARGS+=(--held-out-from "$W/$HELD_OUT")
     rm -rf $RUN
     LAUNCH=()  # mlx.launch's entry point (MLX is staged without its console scripts); NVLink multicast stays off
     [ "${GPUS:-1}" -gt 1 ] && LAUNCH=(python3 -c "from mlx._distributed_utils.launch import main; main()"
@@ -73,14 +75,15 @@ else
       --save-every 1000 --draft-vocab "${VOCAB:-8192}" --time-budget "${TRAIN_SECONDS:-480}" 2>&1 | quiet | tail -8
   fi
   rm -rf $SHIP
-  # shipped forms: bfloat16 (stays on the machine, for bench_gpu.sh) and 8-bit (comes back with the
-  # training plot and history, in <=15 MB pieces: files back are capped at 16 MB)
+  # shipped forms: 8-bit (ships) and bfloat16 (for bench_gpu.sh and the acceptance without
+  # quantization); both come back with the training plot and history, in <=15 MB pieces (files
+  # back are capped at 16 MB, 8 a call)
   python3 -c "
 import mlx.core as mx; from mlx_dflash.draft import load_draft, save_draft
 save_draft(load_draft('$RUN/draft', dtype=mx.bfloat16), '$SHIP/bf16')"
   python3 -m mlx_dflash.cli quantize $SHIP/bf16 $SHIP/q8 --bits 8
   du -sh $SHIP/*
   cp $RUN/training.png $RUN/history.json $SHIP/
-  tar cf - -C $SHIP q8 training.png history.json | split -b 15M - "$OUT"/$(basename $RUN).tar.part.
+  tar cf - -C $SHIP q8 bf16 training.png history.json | split -b 15M - "$OUT"/$(basename $RUN).tar.part.
 fi
 ls -la "$OUT"

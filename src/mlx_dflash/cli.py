@@ -225,6 +225,9 @@ def _add_train(sub) -> None:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
+    p.add_argument("--held-out-from", default=None, metavar="DIR",
+                   help="draw the held-out prompts from this --data folder only (with --init: one the "
+                        "starting draft never trained on); default: from all folders")
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--time-budget", type=float, default=None,
@@ -256,7 +259,7 @@ def _run_train(args) -> None:
         layers=args.layers, block_size=args.block_size, target_layer_ids=args.target_layers,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, max_len=args.max_len, lr=args.lr, eval_every=args.eval_every,
-        eval_prompts=args.eval_prompts, save_every=args.save_every, seed=args.seed, time_budget=args.time_budget,
+        eval_prompts=args.eval_prompts, held_out_from=args.held_out_from, save_every=args.save_every, seed=args.seed, time_budget=args.time_budget,
         draft_vocab=args.draft_vocab, compute_dtype=args.compute_dtype,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)

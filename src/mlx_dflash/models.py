@@ -11,7 +11,6 @@ a failed fetch leaves nothing half-written in the cache.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess

@@ -56,6 +56,7 @@ class TrainConfig:
     gamma: Optional[float] = None
     eval_every: int = 250
     eval_prompts: int = 8  # held-out sequences whose prompts measure acceptance
+    held_out_from: Optional[str] = None  # draw them from this data folder only (default: from all)
     eval_tokens: int = 128
     save_every: int = 500
     seed: int = 0
@@ -242,6 +243,25 @@ def split_held_out(records: list[dict], count: int, seed: int) -> tuple[list[dic
     return [r for i, r in enumerate(records) if i in held], [r for i, r in enumerate(records) if i not in held]
 
 
+def held_out_and_training_records(data_dirs: list[str], cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
+    """(held out, training) records of ``data_dirs``. With ``cfg.held_out_from`` the held-out
+    prompts come from that folder only: a fine-tuned draft (``--init``) may have trained on the
+    earlier folders' records, which would make its held-out acceptance a score on training data
+    (the eighth session's fine-tune reported 5.83 on a draw of 16 prompts, 10 of them from folders
+    its starting draft had trained on; on HumanEval it accepted 4.03)."""
+    pool_dirs = list(data_dirs)
+    if cfg.held_out_from:
+        chosen = [d for d in data_dirs if Path(d).resolve() == Path(cfg.held_out_from).resolve()]
+        if not chosen:
+            raise DFlashError(f"--held-out-from {cfg.held_out_from} is not one of the --data folders")
+        pool_dirs = chosen
+    pool = read_training_records(pool_dirs)
+    if len(pool) <= cfg.eval_prompts:
+        raise DFlashError(f"{', '.join(pool_dirs)}: {len(pool)} usable sequences; need more than {cfg.eval_prompts}")
+    held_out, training = split_held_out(pool, cfg.eval_prompts, cfg.seed)
+    return held_out, read_training_records([d for d in data_dirs if d not in pool_dirs]) + training
+
+
 def check_in_sync(draft: DFlashDraft, world: mx.distributed.Group) -> None:
     """Data-parallel processes apply the same averaged gradients to the same start, so they must
     end with the same weights: a fingerprint per process (the sum of all weights), compared."""
@@ -263,10 +283,7 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
     world = mx.distributed.init()  # a group of one unless launched with mlx.launch
     writer = world.rank() == 0
     out = Path(out_dir)
-    records = read_training_records(data_dirs)
-    if len(records) <= cfg.eval_prompts:
-        raise DFlashError(f"{', '.join(data_dirs)}: {len(records)} usable sequences; need more than {cfg.eval_prompts}")
-    held_out, records = split_held_out(records, cfg.eval_prompts, cfg.seed)
+    held_out, records = held_out_and_training_records(data_dirs, cfg)
 
     start_step = 0
     state_file = out / "checkpoint" / "state.json"
