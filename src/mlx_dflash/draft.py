@@ -424,7 +424,8 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         draft.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise DFlashError(f"draft weights in {path} do not match its config: {exc}") from None
-    if quantization and dtype is not None and mx.default_device() == mx.cpu:
+    on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+    if quantization and dtype is not None and not on_metal:
         return dequantize_draft(draft, dtype)
     if dtype is not None and not quantization:
         draft.set_dtype(dtype)
@@ -433,9 +434,15 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
 
 
 def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
-    """A float copy of a quantized draft. Used on the CPU, where MLX's quantized matmul on a
-    16-token block is ~3x slower than float32 BLAS (BENCHMARKS.md): the file stays small,
-    the compute stays fast."""
+    """A float copy of a quantized draft: the file stays small, the compute stays fast. Used
+    everywhere but on Apple GPUs. On the CPU MLX's quantized matmul on a 16-token block is ~3x
+    slower than float32 BLAS. On CUDA, MLX 0.32 compiles a quantized-matmul kernel (NVRTC) the
+    first time it meets each class of row counts (<= 16, 17-32, more): blocks use the first,
+    prompts mostly the last, and the middle one first turns up mid-generation (the draft's
+    context catching up after a run of plain steps in adaptive mode): a 15-20 s stall on an
+    H200 (BENCHMARKS.md, eighth session). There the bf16 form of the same draft measured within
+    noise of the 8-bit one (1.09x vs 1.11x over plain decoding with fixed blocks, 1.05x vs 1.01x
+    adaptive; seventh session)."""
     weights = dict(tree_flatten(draft.parameters()))
     for name, module in draft.named_modules():
         if isinstance(module, nn.QuantizedLinear):
