@@ -259,8 +259,8 @@ def _run_train(args) -> None:
         layers=args.layers, block_size=args.block_size, target_layer_ids=args.target_layers,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, max_len=args.max_len, lr=args.lr, eval_every=args.eval_every,
-        eval_prompts=args.eval_prompts, held_out_from=args.held_out_from, save_every=args.save_every, seed=args.seed, time_budget=args.time_budget,
-        draft_vocab=args.draft_vocab, compute_dtype=args.compute_dtype,
+        eval_prompts=args.eval_prompts, held_out_from=args.held_out_from, save_every=args.save_every,
+        seed=args.seed, time_budget=args.time_budget, draft_vocab=args.draft_vocab, compute_dtype=args.compute_dtype,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume, init=args.init))
