@@ -44,7 +44,9 @@ for pair in data:session5-stdlib-all completion:session4-completion packages-1:s
   if [ -f "$file" ]; then cp "$file" .device/saved/${pair%%:*}.sequences.jsonl.gz; fi
 done
 # PROMPT_PACKAGES="numpy sympy ...": prompts from these installed packages' docstrings, every
-# code-completion request and the first PACKAGE_QUESTIONS others, in two halves (one per GPU),
+# code-completion request (first: a timed data run answers them before the rest) and
+# PACKAGE_QUESTIONS others drawn at random (seed 0; up to the seventh session: the first ones, so
+# the first packages named filled the quota), in two halves (one per GPU),
 # saved as ~/.cache/mlx-dflash-training-data/prompts/PROMPT_NAME-{1,2}.jsonl.gz. Every prompt
 # set saved there is staged as .device/data/NAME-{1,2}.jsonl.gz (for train_default_draft.sh
 # STAGE=data PROMPTS=...; .device is rebuilt on each run); move a set to prompts/answered/ once
@@ -53,11 +55,13 @@ done
 mkdir -p "$saved/prompts" .device/data
 if [ -n "${PROMPT_PACKAGES:-}" ]; then
   python -c "
-import gzip, json, sys
+import gzip, json, random, sys
 from mlx_dflash.data import package_prompts
 prompts = package_prompts(sys.argv[4:])
 is_completion = lambda p: '\`\`\`python' in p
-chosen = [p for p in prompts if is_completion(p)] + [p for p in prompts if not is_completion(p)][: int(sys.argv[1])]
+others = [p for p in prompts if not is_completion(p)]
+random.Random(0).shuffle(others)
+chosen = [p for p in prompts if is_completion(p)] + others[: int(sys.argv[1])]
 for half in (1, 2):
     with gzip.open(f'{sys.argv[3]}/{sys.argv[2]}-{half}.jsonl.gz', 'wt') as f:
         f.writelines(json.dumps({'prompt': p}) + '\n' for p in chosen[half - 1 :: 2])
