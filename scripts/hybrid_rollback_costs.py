@@ -2,8 +2,10 @@
 accepted tokens, then a prompt's prefill; mlx-lm's own mixer (token-by-token recurrence,
 rollback by replaying the accepted tokens) against delta_rule.BlockDeltaMixer (chunked form,
 rollback by one matmul). Run: python scripts/hybrid_rollback_costs.py [--iters 10]
-[--prompt-len 512] (on Linux, with OpenBLAS in LD_PRELOAD as `mlx-dflash doctor` describes;
-on a GPU as is)."""
+[--prompt-len 512] [--compile] (on Linux, with OpenBLAS in LD_PRELOAD as `mlx-dflash doctor`
+describes; on a GPU as is). --compile: the chunked mixer's verify + rewind again with
+delta_rule's two functions under mx.compile (fewer, fused kernels: a candidate for GPUs, where
+the chunked form's ~40 small ops per layer may be launch-bound)."""
 
 import argparse
 import time
@@ -12,11 +14,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
+from mlx_dflash import delta_rule
 from mlx_dflash.delta_rule import BlockDeltaMixer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--iters", type=int, default=10)
 parser.add_argument("--prompt-len", type=int, default=512)
+parser.add_argument("--compile", action="store_true")
 args = parser.parse_args()
 
 config = TextModelArgs(model_type="qwen3_5", hidden_size=4096, intermediate_size=12288, num_hidden_layers=4,
@@ -80,3 +84,8 @@ for keep in (16, 8, 1):
 prompt = layer.input_layernorm(mx.random.normal((1, args.prompt_len, 4096)))
 print(f"prefill of {args.prompt_len} tokens: mlx-lm mixer {timed(prefill(mlx_lm_mixer, prompt)):6.1f} ms, "
       f"chunked mixer {timed(prefill(block_mixer, prompt)):6.1f} ms")
+if args.compile:  # the module's functions, replaced for this process only
+    delta_rule.chunk_delta_rule = mx.compile(delta_rule.chunk_delta_rule)
+    delta_rule.state_after = mx.compile(delta_rule.state_after)
+    for keep in (16, 8, 1):
+        print(f"keep {keep:2d}: chunked mixer + rewind, compiled {timed(block_cycle(keep)):6.1f} ms")

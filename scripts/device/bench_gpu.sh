@@ -57,7 +57,7 @@ scale)  # the draft vocabulary at Qwen3.5-9B's shape (4-bit target, 248k-way hea
   done ;;
 hybrid)  # Qwen3.5-9B shape, bf16, random weights: one Gated DeltaNet layer's verify + rollback
   # (mlx-lm's mixer + replay vs delta_rule.py), per-cycle costs, then the replay goal (>= 4x)
-  python3 scripts/hybrid_rollback_costs.py
+  python3 scripts/hybrid_rollback_costs.py --compile
   bench --scale qwen3.5-9b --costs-only --lengths 1024 4096 --out "$R/q35_9b_costs"
   bench --scale qwen3.5-9b --lengths 1024 --num-prompts 1 --replay-mean 6.5 --out "$R/q35_9b_replay" ;;
 profile)  # where a cycle's time goes (draft, verify, a plain step), per block size
