@@ -1,10 +1,12 @@
-"""Two drafts for the same target, side by side, alternating in one process (run with PYTHONPATH=src)
+"""Drafts (or block sizes) for the same target, side by side, alternating in one process (run
+with PYTHONPATH=src)
 
-    python scripts/compare_drafts.py DRAFT_A DRAFT_B [--model M] [--num-prompts 4] [--tokens 256] [--rounds 2]
+    python scripts/compare_drafts.py DRAFT [DRAFT ...] [--model M] [--num-prompts 4] [--tokens 256]
+        [--rounds 2] [--block-sizes 16]
 
 For each round and HumanEval prompt (chat template, EOS on): mlx-lm greedy, then each draft
-with 16-token blocks and adaptive, one after the other, so that a shared machine's drift
-hits every method alike. Prints decode tok/s (tokens over decode seconds, summed per method
+with fixed blocks of each size and adaptive, one after the other, so that a shared machine's
+drift hits every method alike (separate runs differ by as much as the methods do). Prints decode tok/s (tokens over decode seconds, summed per method
 and round), the ratio to mlx-lm and the mean acceptance length, and checks every output
 equals mlx-lm's. Use it to measure a change to a draft (its vocabulary, quantization).
 On Linux CPUs run it with the OpenBLAS LD_PRELOAD that `mlx-dflash doctor` prints.
@@ -20,19 +22,21 @@ from mlx_dflash.models import DEFAULT_MODEL
 from mlx_dflash.target import float_dtype
 
 parser = argparse.ArgumentParser()
-parser.add_argument("drafts", nargs=2)
+parser.add_argument("drafts", nargs="+")
 parser.add_argument("--model", default=DEFAULT_MODEL)
 parser.add_argument("--num-prompts", type=int, default=4)
 parser.add_argument("--tokens", type=int, default=256)
 parser.add_argument("--rounds", type=int, default=2)
+parser.add_argument("--block-sizes", type=int, nargs="+", default=[16])
 args = parser.parse_args()
 
 model, tok = load_target(args.model)
 drafts = {name: load_draft(name, dtype=float_dtype(model)) for name in args.drafts}
 prompts = [encode_chat(tok, p) for p in humaneval_prompts()[: args.num_prompts]]
+settings = {f"block {size}": dict(block_size=size) for size in args.block_sizes} | {"adaptive": dict(adaptive=True)}
 for draft in drafts.values():  # warm-up: first uses of every shape
-    generate(model, tok, prompts[0], draft, max_tokens=64)
-    generate(model, tok, prompts[0], draft, max_tokens=64, adaptive=True)
+    for setting in settings.values():
+        generate(model, tok, prompts[0], draft, max_tokens=64, **setting)
 
 for round_index in range(args.rounds):
     tokens, seconds, accepted = defaultdict(int), defaultdict(float), defaultdict(list)
@@ -41,9 +45,9 @@ for round_index in range(args.rounds):
         tokens["mlx-lm"] += len(reference) - 1  # as for DFlash: the prefill's token is not decoded
         seconds["mlx-lm"] += decode_s
         for name, draft in drafts.items():
-            for adaptive in (False, True):
-                method = f"{name} {'adaptive' if adaptive else 'block 16'}"
-                result = generate(model, tok, prompt, draft, max_tokens=args.tokens, adaptive=adaptive)
+            for label, setting in settings.items():
+                method = f"{name} {label}"
+                result = generate(model, tok, prompt, draft, max_tokens=args.tokens, **setting)
                 if result.tokens != reference:
                     print(f"  MISMATCH: {method} differs from mlx-lm")
                 tokens[method] += len(result.tokens) - 1
