@@ -36,6 +36,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
+from .device import on_apple_gpu
+
 MAX_BLOCK = 64  # tokens per chunk; a verify block is one chunk, a prompt several
 
 
@@ -113,7 +115,7 @@ class BlockDeltaMixer(nn.Module):
         # One token (a plain decode step: mlx-lm's own step, a fused kernel on Apple GPUs; nothing
         # to roll back), prompts on Apple GPUs (that kernel takes a whole prompt in one launch),
         # padded batches and sharded layers: mlx-lm's forward.
-        metal_prompt = S > MAX_BLOCK and mx.default_device() == mx.gpu and mx.metal.is_available()
+        metal_prompt = S > MAX_BLOCK and on_apple_gpu()
         plain = (S == 1 or metal_prompt or mask is not None or cache is None or cache.lengths is not None
                  or cache.left_padding is not None or getattr(m, "sharding_group", None) is not None)
         self._before = None if cache is None else list(cache.cache)  # mlx arrays are immutable

@@ -25,6 +25,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .device import on_apple_gpu
 from .errors import DFlashError
 
 CONFIG_FILE = "config.json"
@@ -424,8 +425,7 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         draft.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise DFlashError(f"draft weights in {path} do not match its config: {exc}") from None
-    on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
-    if quantization and dtype is not None and not on_metal:
+    if quantization and dtype is not None and not on_apple_gpu():
         return dequantize_draft(draft, dtype)
     if dtype is not None and not quantization:
         draft.set_dtype(dtype)

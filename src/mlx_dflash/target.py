@@ -98,7 +98,7 @@ class Target:
         self.recorder = _Recorder()
         self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
         self._install_taps()
-        self._install_block_mixers()
+        self._block_mixers = self._install_block_mixers()  # recurrent layer index -> its mixer
 
     # -- structure -------------------------------------------------------
     @property
@@ -135,7 +135,7 @@ class Target:
         layer = self._layer_list()[i]
         return layer.layer if isinstance(layer, TappedLayer) else layer
 
-    def _install_block_mixers(self) -> None:
+    def _install_block_mixers(self) -> dict[int, BlockDeltaMixer]:
         """Wrap the token mixer of each recurrent layer (once per model instance)."""
         for i in self.recurrent_ids:
             layer = self._decoder_layer(i)
@@ -145,6 +145,7 @@ class Target:
             if mixer is None or not hasattr(mixer, "conv1d"):
                 raise DFlashError(f"{self.family} layer {i} has a recurrent cache but no Gated DeltaNet mixer")
             layer.linear_attn = BlockDeltaMixer(mixer)
+        return {i: self._decoder_layer(i).linear_attn for i in self.recurrent_ids}
 
     # -- pieces the draft borrows -----------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
@@ -201,8 +202,8 @@ class Target:
         if num_tokens == 0:
             return
         for i, layer_cache in enumerate(cache):
-            if i in self.recurrent_ids:
-                self._decoder_layer(i).linear_attn.rewind(layer_cache, keep=self._latest_length - num_tokens)
+            if i in self._block_mixers:
+                self._block_mixers[i].rewind(layer_cache, keep=self._latest_length - num_tokens)
             else:
                 trim_attention_cache(layer_cache, num_tokens)
 

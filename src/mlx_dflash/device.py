@@ -1,0 +1,11 @@
+"""Where MLX runs, for the few choices that differ by backend."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def on_apple_gpu() -> bool:
+    """Metal: its fused kernels (a Gated DeltaNet prompt in one launch) and its precompiled
+    quantized matmuls change what is fastest; the CPU and CUDA share the other path."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
