@@ -1,9 +1,11 @@
 """The adaptive block policy: plain decoding when drafts lose, full blocks when they win,
 short blocks when a verify costs more with each token and the draft is weak."""
 
+import pytest
 from tiny_models import VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import generate
+from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes
 from mlx_dflash.replay import ReplayProposer
 
@@ -60,6 +62,18 @@ def test_slot_statistics_use_short_blocks_too():
     assert abs(policy.expected_tokens(4) - (1 + 1 + 0.5 + 0.5)) < 1e-9
 
 
+def test_a_shared_policy_keeps_its_costs_and_starts_each_text_afresh():
+    policy = BlockPolicy(16)
+    drive(policy, lambda b: 1, lambda b: 2.0 if b == 16 else 1.0, 100)  # useless draft: plain wins
+    costs = dict(policy.seconds)
+    policy.start_text()
+    assert policy.seconds == costs and policy.slot_checked == [0] * 16 and policy.cycles == 0
+    # the next text's draft is perfect: after the warm-up, full blocks at once (a fresh policy
+    # would time plain decoding first)
+    assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10) == [16] * 10
+    assert drive(BlockPolicy(16), lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10)[WARMUP_CYCLES] == 1
+
+
 def test_candidate_sizes():
     assert candidate_sizes(16) == [1, 2, 4, 8, 16]
     assert candidate_sizes(10) == [1, 2, 4, 8, 10]
@@ -68,10 +82,15 @@ def test_candidate_sizes():
 
 def test_adaptive_output_is_unchanged(tiny_dir):
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-qwen3", "qwen3", "adaptive", 120)
+    shared = BlockPolicy(16)  # one policy over several generations, as in the server
     for schedule in ([0], [None], [None, 0, 5]):  # useless, perfect and mixed drafts
-        proposer = ReplayProposer(prompt + reference, 16, schedule, VOCAB_SIZE)
-        result = generate(model, tokenizer, prompt, proposer, max_tokens=100, adaptive=True)
-        assert result.tokens == reference[:100]
+        for adaptive in (True, shared):
+            proposer = ReplayProposer(prompt + reference, 16, schedule, VOCAB_SIZE)
+            result = generate(model, tokenizer, prompt, proposer, max_tokens=100, adaptive=adaptive)
+            assert result.tokens == reference[:100]
+    assert shared.samples[16] > 3  # it was used by all three generations
+    with pytest.raises(DFlashError, match="blocks of up to 16, not 8"):
+        generate(model, tokenizer, prompt, proposer, max_tokens=10, block_size=8, adaptive=shared)
 
 
 def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):

@@ -13,7 +13,8 @@ R=$(mktemp -d)  # packed into one file at the end ($OUT takes at most 8)
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
 mkdir -p $MLX_DFLASH_HOME/gguf
 [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
-python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype bfloat16 2>&1 | tail -1
+# DTYPE=float32: the default pair's target in float32 (the draft follows it); default bfloat16
+M=$(python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype "${DTYPE:-bfloat16}" 2>&1 | tail -1); echo "model: $M"
 D=${DRAFT:-/tmp/work/run-ship/bf16}; [ -d "$D" ] || D=src/mlx_dflash/drafts/smollm2-135m
 echo "draft: $D"
 nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
@@ -30,17 +31,17 @@ for part in ${PARTS:-default}; do case $part in
 default)  # the trained draft (train_default_draft.sh on this machine: run-ship/q8 ships, run-ship/bf16) or DRAFT
   Q8=${D%/bf16}/q8; [ -d "$Q8" ] || Q8=$D
   echo "== default pair, 8-bit draft ($Q8) =="
-  bench --model smollm2-135m --draft "$Q8" --prompts .device/b/humaneval.jsonl \
+  bench --model "$M" --draft "$Q8" --prompts .device/b/humaneval.jsonl \
     --num-prompts "${NUM_PROMPTS:-8}" --lengths ${LENGTHS:-1024} --out "$R/default_q8"
   if [ "$Q8" != "$D" ]; then
     echo "== default pair, bf16 draft ($D) =="
-    bench --model smollm2-135m --draft "$D" --prompts .device/b/humaneval.jsonl \
+    bench --model "$M" --draft "$D" --prompts .device/b/humaneval.jsonl \
       --num-prompts "${NUM_PROMPTS:-8}" --lengths 1024 --out "$R/default_bf16"
   fi ;;
 floor)  # a useless (random) draft: the adaptive policy's floor
   echo "== default model, a random draft =="
   random_draft "$(ls $MLX_DFLASH_HOME/models/smollm2-135m*/config.json | head -1)" 16 /tmp/random_draft
-  bench --model smollm2-135m --draft /tmp/random_draft --prompts .device/b/humaneval.jsonl \
+  bench --model "$M" --draft /tmp/random_draft --prompts .device/b/humaneval.jsonl \
     --num-prompts 4 --lengths 1024 --out "$R/default_random_draft" ;;
 speculative)
   # mlx-lm's speculative decoding (Qwen2.5-Coder-0.5B drafting for the 1.5B, both 4-bit) next to
@@ -64,4 +65,4 @@ profile)  # where a cycle's time goes (draft, verify, a plain step), per block s
   python3 scripts/profile_cycle.py smollm2-135m "$D" --blocks 4 8 16 --prompts .device/b/humaneval.jsonl 2>&1 | quiet ;;
 *) echo "unknown part: $part" ;;
 esac; done
-tar czf "$OUT/results-${PARTS// /-}${TAG:+-$TAG}.tgz" -C $R . && ls -la "$OUT"
+tar czf "$OUT/results-${PARTS// /-}${DTYPE:+-$DTYPE}${TAG:+-$TAG}.tgz" -C $R . && ls -la "$OUT"

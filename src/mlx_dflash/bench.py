@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .errors import DFlashError
+from .policy import BlockPolicy
 from .sampling import SamplingParams
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
@@ -84,7 +85,7 @@ def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=Non
 
 
 def run_dflash(model, tokenizer, prompt: list[int], length: int, proposer, block_size: Optional[int],
-               sampling: Optional[SamplingParams] = None, adaptive: bool = False) -> tuple:
+               sampling: Optional[SamplingParams] = None, adaptive: Union[bool, BlockPolicy] = False) -> tuple:
     from .engine import stream_generate
 
     stream = stream_generate(model, tokenizer, prompt, proposer, max_tokens=length, block_size=block_size,
@@ -260,6 +261,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                 warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size)
             tokenizer.eos_token_ids = set() if cfg.no_eos else saved_eos
         jobs = [(p, n, r) for n in cfg.lengths for p in range(len(prompts)) for r in range(cfg.repeats)]
+        policies: dict[str, BlockPolicy] = {}  # an adaptive method's: costs carry over, as in a server
         for p, length, _ in tqdm(jobs, desc="bench", unit="run"):
             prompt = prompts[p]
             base = Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompt, length, sampling=cfg.sampling)[:3])
@@ -273,8 +275,11 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                 sampling = cfg.sampling
                 if sampling is not None and name.endswith("_match"):
                     sampling = dataclasses.replace(sampling, accept="match")
+                adaptive: Union[bool, BlockPolicy] = False
+                if name.endswith("_adaptive"):
+                    adaptive = policies.setdefault(name, BlockPolicy(cfg.block_size or proposer.block_size))
                 runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer,
-                                                             cfg.block_size, sampling, name.endswith("_adaptive"))))
+                                                             cfg.block_size, sampling, adaptive)))
     finally:
         tokenizer.eos_token_ids = saved_eos
     block = cfg.block_size or max([getattr(p, "block_size", 16) for p in proposers.values()] + [16])

@@ -249,7 +249,7 @@ def stream_generate(
     block_size: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
     sampling: Optional[SamplingParams] = None,
-    adaptive: bool = False,
+    adaptive: Union[bool, BlockPolicy] = False,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
@@ -259,7 +259,8 @@ def stream_generate(
     ``adaptive``: choose each cycle between plain decoding and full blocks by measured
     speed (``policy.py``); the output is the same either way. Not with a seeded
     sampler: timing-dependent blocks would consume random draws differently, and the
-    same seed must give the same text.
+    same seed must give the same text. A ``BlockPolicy`` instead of True keeps the costs it
+    measured for the next call (a server's or a benchmark's many generations).
     """
     target, proposer = make_proposer(model, draft)
     block_size = block_size or proposer.block_size
@@ -281,7 +282,14 @@ def stream_generate(
     if sampling is not None and sampling.greedy and not sampling.logits_processors:
         sampling = None  # plain greedy: the bit-exact path
     seeded = sampling is not None and sampling.seed is not None
-    policy = BlockPolicy(block_size) if adaptive and not seeded else None
+    policy = None
+    if isinstance(adaptive, BlockPolicy) and not seeded:
+        if adaptive.max_block != block_size:
+            raise DFlashError(f"the adaptive policy is for blocks of up to {adaptive.max_block}, not {block_size}")
+        policy = adaptive
+        policy.start_text()
+    elif adaptive and not seeded:
+        policy = BlockPolicy(block_size)
     cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:

@@ -10,6 +10,10 @@ full blocks win; where it grows with the block (a CPU) a weak draft is best used
 with short blocks. While a smaller size wins, the next size up is still tried now
 and then (less often each time it loses; a cheaper probe than a full block) so the
 policy notices, one size at a time, when the text becomes predictable.
+
+One policy can serve many generations (the server's and the benchmark's do): costs per
+size belong to the machine and the model pair, so they carry over, and a new text starts
+with no exploration; the acceptance statistics belong to one text and start afresh.
 """
 
 from __future__ import annotations
@@ -32,10 +36,14 @@ class BlockPolicy:
     def __init__(self, max_block: int):
         self.max_block = max_block
         self.sizes = candidate_sizes(max_block)
-        self.slot_checked = [0] * max_block  # slot k: cycles whose slots 1..k-1 were all accepted
-        self.slot_accepted = [0] * max_block
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
         self.samples: dict[int, int] = {}  # block size -> cycles seen (the first is not timed)
+        self.start_text()
+
+    def start_text(self) -> None:
+        """A new generation: forget the acceptance seen so far, keep the measured costs."""
+        self.slot_checked = [0] * self.max_block  # slot k: cycles whose slots 1..k-1 were all accepted
+        self.slot_accepted = [0] * self.max_block
         self.cycles = 0
         self.probe_every = PROBE_START
         self.since_probe = 0

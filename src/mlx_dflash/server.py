@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .engine import stream_generate
 from .errors import DFlashError
+from .policy import BlockPolicy
 from .sampling import SamplingParams
 
 ROLES = {"system", "user", "assistant"}
@@ -150,11 +151,13 @@ def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="mlx-dflash")
     lock = asyncio.Lock()  # one generation at a time; waiters are served in arrival order
     counts = {"completed": 0, "cancelled": 0}  # generations, reported by /health
+    # one block policy for all requests: the costs it measured carry over (policy.py)
+    adaptive = BlockPolicy(served.draft.block_size) if served.adaptive else False
 
     def stream(job: Job):
         return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
                                max_tokens=job.max_tokens, stop=job.stop, sampling=job.sampling,
-                               adaptive=served.adaptive)
+                               adaptive=adaptive)
 
     async def run(job: Job, request: Request) -> AsyncIterator:
         """Responses of one generation; stops when the client goes away."""
