@@ -2,13 +2,15 @@
 with PYTHONPATH=src)
 
     python scripts/compare_drafts.py DRAFT [DRAFT ...] [--model M] [--num-prompts 4] [--tokens 256]
-        [--rounds 2] [--block-sizes 16]
+        [--rounds 2] [--block-sizes 16] [--shared-policy]
 
 For each round and HumanEval prompt (chat template, EOS on): mlx-lm greedy, then each draft
 with fixed blocks of each size and adaptive, one after the other, so that a shared machine's
 drift hits every method alike (separate runs differ by as much as the methods do). Prints decode tok/s (tokens over decode seconds, summed per method
 and round), the ratio to mlx-lm and the mean acceptance length, and checks every output
-equals mlx-lm's. Use it to measure a change to a draft (its vocabulary, quantization).
+equals mlx-lm's. Use it to measure a change to a draft (its vocabulary, quantization). --shared-policy adds
+"adaptive shared": one adaptive policy per draft for all its generations (warm-up included), as
+the server and the benchmark keep one, next to "adaptive", a fresh policy per generation.
 On Linux CPUs run it with the OpenBLAS LD_PRELOAD that `mlx-dflash doctor` prints.
 """
 
@@ -19,6 +21,7 @@ from mlx_dflash import generate, load_draft, load_target
 from mlx_dflash.bench import humaneval_prompts, run_mlx_lm
 from mlx_dflash.data import encode_chat
 from mlx_dflash.models import DEFAULT_MODEL
+from mlx_dflash.policy import BlockPolicy
 from mlx_dflash.target import float_dtype
 
 parser = argparse.ArgumentParser()
@@ -28,15 +31,24 @@ parser.add_argument("--num-prompts", type=int, default=4)
 parser.add_argument("--tokens", type=int, default=256)
 parser.add_argument("--rounds", type=int, default=2)
 parser.add_argument("--block-sizes", type=int, nargs="+", default=[16])
+parser.add_argument("--shared-policy", action="store_true")
 args = parser.parse_args()
 
 model, tok = load_target(args.model)
 drafts = {name: load_draft(name, dtype=float_dtype(model)) for name in args.drafts}
 prompts = [encode_chat(tok, p) for p in humaneval_prompts()[: args.num_prompts]]
 settings = {f"block {size}": dict(block_size=size) for size in args.block_sizes} | {"adaptive": dict(adaptive=True)}
-for draft in drafts.values():  # warm-up: first uses of every shape
-    for setting in settings.values():
-        generate(model, tok, prompts[0], draft, max_tokens=64, **setting)
+shared = {name: BlockPolicy(draft.block_size) for name, draft in drafts.items()}
+
+
+def options(name: str, label: str) -> dict:
+    return dict(adaptive=shared[name]) if label == "adaptive shared" else settings[label]
+
+
+labels = list(settings) + (["adaptive shared"] if args.shared_policy else [])
+for name, draft in drafts.items():  # warm-up: first uses of every shape
+    for label in labels:
+        generate(model, tok, prompts[0], draft, max_tokens=64, **options(name, label))
 
 for round_index in range(args.rounds):
     tokens, seconds, accepted = defaultdict(int), defaultdict(float), defaultdict(list)
@@ -45,9 +57,9 @@ for round_index in range(args.rounds):
         tokens["mlx-lm"] += len(reference) - 1  # as for DFlash: the prefill's token is not decoded
         seconds["mlx-lm"] += decode_s
         for name, draft in drafts.items():
-            for label, setting in settings.items():
+            for label in labels:
                 method = f"{name} {label}"
-                result = generate(model, tok, prompt, draft, max_tokens=args.tokens, **setting)
+                result = generate(model, tok, prompt, draft, max_tokens=args.tokens, **options(name, label))
                 if result.tokens != reference:
                     print(f"  MISMATCH: {method} differs from mlx-lm")
                 tokens[method] += len(result.tokens) - 1
