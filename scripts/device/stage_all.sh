@@ -33,13 +33,14 @@ fi
 # the saved SmolLM2 data sets, each as .device/saved/FOLDER.sequences.jsonl.gz, kept as
 # /opt/stage/FOLDER.sequences.jsonl.gz (train_default_draft.sh unpacks it to /tmp/work/FOLDER,
 # where STAGE=data resumes it): stdlib (42,258 responses), completion (4,736), package prompts
-# (2 x 26,112, 2 x 12,303 and 2 x 32,768); 34 MB in all (one keep call with the
+# (2 x 26,112, 2 x 12,303, 2 x 32,768 and 28,160); 39 MB in all (one keep call with the
 # tracked tree, less the draft's weights)
 saved=$HOME/.cache/mlx-dflash-training-data
 mkdir -p .device/saved && cp .device/c/keep.sh .device/saved/
 for pair in data:session5-stdlib-all completion:session4-completion packages-1:session6-packages-1 \
             packages-2:session6-packages-2 packages3-1:session7-packages3-1 packages3-2:session7-packages3-2 \
-            packages45-1:session8-packages45-1 packages45-2:session8-packages45-2; do
+            packages45-1:session8-packages45-1 packages45-2:session8-packages45-2 \
+            packages6-1:session9-packages6-1; do
   file=$saved/${pair#*:}-sequences.jsonl.gz
   if [ -f "$file" ]; then cp "$file" .device/saved/${pair%%:*}.sequences.jsonl.gz; fi
 done

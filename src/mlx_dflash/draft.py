@@ -440,7 +440,8 @@ def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
     first time it meets each class of row counts (<= 16, 17-32, more): blocks use the first,
     prompts mostly the last, and the middle one first turns up mid-generation (the draft's
     context catching up after a run of plain steps in adaptive mode): a 15-20 s stall on an
-    H200 (BENCHMARKS.md, eighth session). There the bf16 form of the same draft measured within
+    H200 (BENCHMARKS.md, eighth session); expanded, the ninth session's 8 adaptive runs took
+    0.20-0.81 s each, no stall. There the bf16 form of the same draft measured within
     noise of the 8-bit one (1.09x vs 1.11x over plain decoding with fixed blocks, 1.05x vs 1.01x
     adaptive; seventh session)."""
     weights = dict(tree_flatten(draft.parameters()))
