@@ -40,7 +40,7 @@ default)  # the trained draft (train_default_draft.sh on this machine: run-ship/
   fi ;;
 floor)  # a useless (random) draft: the adaptive policy's floor
   echo "== default model, a random draft =="
-  random_draft "$(ls $MLX_DFLASH_HOME/models/smollm2-135m*/config.json | head -1)" 16 /tmp/random_draft
+  random_draft "$M/config.json" 16 /tmp/random_draft
   bench --model "$M" --draft /tmp/random_draft --prompts .device/b/humaneval.jsonl \
     --num-prompts 4 --lengths 1024 --out "$R/default_random_draft" ;;
 speculative)

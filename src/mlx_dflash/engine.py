@@ -283,13 +283,11 @@ def stream_generate(
         sampling = None  # plain greedy: the bit-exact path
     seeded = sampling is not None and sampling.seed is not None
     policy = None
-    if isinstance(adaptive, BlockPolicy) and not seeded:
-        if adaptive.max_block != block_size:
-            raise DFlashError(f"the adaptive policy is for blocks of up to {adaptive.max_block}, not {block_size}")
-        policy = adaptive
+    if adaptive and not seeded:
+        policy = adaptive if isinstance(adaptive, BlockPolicy) else BlockPolicy(block_size)
+        if policy.max_block != block_size:
+            raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {block_size}")
         policy.start_text()
-    elif adaptive and not seeded:
-        policy = BlockPolicy(block_size)
     cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:
