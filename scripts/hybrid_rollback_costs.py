@@ -1,7 +1,8 @@
 """One Gated DeltaNet layer at Qwen3.5-9B dims: a 16-token verify and the rollback to k
 accepted tokens, then a prompt's prefill; mlx-lm's own mixer (token-by-token recurrence,
-rollback by replaying the accepted tokens) against delta_rule.BlockDeltaMixer (chunked form,
-rollback by one matmul). Run: python scripts/hybrid_rollback_costs.py [--iters 10]
+rollback by replaying the accepted tokens) against delta_rule.BlockDeltaMixer in its two forms:
+chunked (rollback by one matmul) and stepwise (on CUDA our one-launch kernel; rollback runs it
+again over the kept tokens). Run: python scripts/hybrid_rollback_costs.py [--iters 10]
 [--prompt-len 512] [--compile] (on Linux, with OpenBLAS in LD_PRELOAD as `mlx-dflash doctor`
 describes; on a GPU as is). --compile: the chunked mixer's verify + rewind again with
 delta_rule's two functions under mx.compile (fewer, fused kernels: a candidate for GPUs, where
@@ -28,7 +29,9 @@ config = TextModelArgs(model_type="qwen3_5", hidden_size=4096, intermediate_size
                        linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=1000)
 layer = DecoderLayer(config, 0)
 mx.eval(layer.parameters())
-mlx_lm_mixer, block_mixer = layer.linear_attn, BlockDeltaMixer(layer.linear_attn)
+mlx_lm_mixer = layer.linear_attn
+block_mixer = BlockDeltaMixer(mlx_lm_mixer, stepwise=False)
+stepwise_mixer = BlockDeltaMixer(mlx_lm_mixer, stepwise=True)
 block = layer.input_layernorm(mx.random.normal((1, 16, 4096)))
 history = ArraysCache(size=2)
 mlx_lm_mixer(layer.input_layernorm(mx.random.normal((1, 32, 4096))), None, history)
@@ -60,12 +63,12 @@ def mlx_lm_cycle(keep: int):
     return run
 
 
-def block_cycle(keep: int):
+def block_cycle(keep: int, mixer: BlockDeltaMixer = block_mixer):
     def run():
         cache = cache_copy()
-        mx.eval(block_mixer(block, None, cache), cache.cache)
+        mx.eval(mixer(block, None, cache), cache.cache)
         if keep < 16:
-            block_mixer.rewind(cache, keep)
+            mixer.rewind(cache, keep)
             mx.eval(cache.cache)
     return run
 
@@ -80,10 +83,12 @@ def prefill(mixer, prompt: mx.array):
 print(f"{mx.default_device()}, one Gated DeltaNet layer at Qwen3.5-9B dims, ms per verify of 16 tokens + rollback")
 for keep in (16, 8, 1):
     print(f"keep {keep:2d}: mlx-lm mixer + replay {timed(mlx_lm_cycle(keep)):6.1f} ms, "
-          f"chunked mixer + rewind {timed(block_cycle(keep)):6.1f} ms")
+          f"chunked mixer + rewind {timed(block_cycle(keep)):6.1f} ms, "
+          f"stepwise mixer + rewind {timed(block_cycle(keep, stepwise_mixer)):6.1f} ms")
 prompt = layer.input_layernorm(mx.random.normal((1, args.prompt_len, 4096)))
 print(f"prefill of {args.prompt_len} tokens: mlx-lm mixer {timed(prefill(mlx_lm_mixer, prompt)):6.1f} ms, "
-      f"chunked mixer {timed(prefill(block_mixer, prompt)):6.1f} ms")
+      f"chunked mixer {timed(prefill(block_mixer, prompt)):6.1f} ms, "
+      f"stepwise mixer {timed(prefill(stepwise_mixer, prompt)):6.1f} ms")
 if args.compile:  # the module's functions, replaced for this process only
     delta_rule.chunk_delta_rule = mx.compile(delta_rule.chunk_delta_rule)
     delta_rule.state_after = mx.compile(delta_rule.state_after)

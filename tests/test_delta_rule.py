@@ -78,3 +78,57 @@ def test_long_prompts_prefill_chunk_by_chunk(tmp_path, family):
         assert mx.abs(state - want).max().item() <= 1e-5 * mx.abs(want).max().item()
     proposer = ReplayProposer(prompt + reference, 16, [0, 3, 7, None, 1, 14], VOCAB_SIZE)
     assert generate(model, tokenizer, prompt, proposer, max_tokens=48).tokens == reference
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_stepwise_form_equals_greedy_and_rolls_back(tmp_path, family):
+    """The stepwise form (CUDA's default: one kernel launch a block, a rewind runs the kept
+    tokens again from the saved state), here through mlx-lm's ops: DFlash tokens equal mlx-lm
+    greedy with partial acceptance of every kind, and a rollback leaves the state of feeding
+    the kept tokens alone."""
+    model, tokenizer, prompt, reference = tiny_pair(tmp_path / family, family, "def fib(n):\n    return", 96)
+    target = Target(model, [1])
+    for mixer in target._block_mixers.values():
+        mixer.stepwise = True  # kept: mixers are installed once per model instance
+    proposer = ReplayProposer(prompt + reference, 16, [0, 3, 7, None, 1, 14, 5], VOCAB_SIZE)
+    result = generate(model, tokenizer, prompt, proposer, max_tokens=96)
+    assert result.tokens == reference
+    assert {1, 2, 4, 8, 16} <= set(result.acceptance_lengths)  # rewinds to many prefixes
+    target = Target(model, [1])  # generate tapped other layers; the mixers stay stepwise
+    assert all(mixer.stepwise for mixer in target._block_mixers.values())
+    block = mx.array([reference[:16]])
+    for keep in (2, 9):
+        rolled, direct = target.make_cache(), target.make_cache()
+        for cache in (rolled, direct):
+            target(mx.array([prompt]), cache)
+        target(block, rolled)
+        target.rollback(rolled, 16 - keep)
+        target(block[:, :keep], direct)
+        for i in target.recurrent_ids:
+            for x, y in zip(rolled[i].cache, direct[i].cache, strict=True):
+                # projections of 16 rows vs `keep` rows round differently (~1e-6); a wrong prefix: whole units
+                assert mx.abs(x - y).max().item() <= 1e-5 * max(mx.abs(y).max().item(), 1.0)
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on MLX's CUDA backend only")
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_cuda_kernel_equals_mlx_lm_ops(dtype):
+    """Our CUDA kernel against mlx-lm's token-by-token ops, at Qwen3.5-9B's head sizes
+    (16 key heads of 128, 32 value heads of 128), 16 tokens and a 300-token prompt."""
+    from mlx_dflash.delta_rule import stepwise_delta_rule
+
+    for steps in (16, 300):
+        mx.random.seed(steps)
+        unit = lambda x: x / mx.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+        q = (unit(mx.random.normal((1, steps, 16, 128))) * 128**-0.5).astype(dtype)
+        k = unit(mx.random.normal((1, steps, 16, 128))).astype(dtype)
+        v = mx.random.normal((1, steps, 32, 128)).astype(dtype)
+        g = mx.random.uniform(0.5, 1.0, (1, steps, 32))
+        beta = mx.random.uniform(0.0, 1.0, (1, steps, 32)).astype(dtype)
+        state = mx.random.normal((1, 32, 128, 128))
+        y, final = stepwise_delta_rule(q, k, v, g, beta, state)
+        y_ref, final_ref = gated_delta_ops(q, k, v, g, beta, state)
+        assert y.dtype == y_ref.dtype == dtype
+        tolerance = 1e-2 if dtype == mx.bfloat16 else 1e-5  # bf16 outputs: a rounding step apart
+        assert mx.abs(y.astype(mx.float32) - y_ref.astype(mx.float32)).max().item() <= tolerance * mx.abs(y_ref).max().item()
+        assert mx.abs(final - final_ref).max().item() <= 1e-5 * mx.abs(final_ref).max().item()

@@ -11,12 +11,15 @@ set -uo pipefail
 source .device/b/env.sh
 R=$(mktemp -d)  # packed into one file at the end ($OUT takes at most 8)
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
-mkdir -p $MLX_DFLASH_HOME/gguf
-[ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
-# DTYPE=float32: the default pair's target in float32 (the draft follows it); default bfloat16
-M=$(python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype "${DTYPE:-bfloat16}" 2>&1 | tail -1); echo "model: $M"
-D=${DRAFT:-/tmp/work/run-ship/bf16}; [ -d "$D" ] || D=src/mlx_dflash/drafts/smollm2-135m
-echo "draft: $D"
+# the default pair's target (needs the GGUF staged in .device/c, .device/d), only for the parts
+# that use it; DTYPE=float32: the target in float32 (the draft follows it); default bfloat16
+if [[ " ${PARTS:-default} " =~ " "(default|floor|profile)" " ]]; then
+  mkdir -p $MLX_DFLASH_HOME/gguf
+  [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
+  M=$(python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype "${DTYPE:-bfloat16}" 2>&1 | tail -1); echo "model: $M"
+  D=${DRAFT:-/tmp/work/run-ship/bf16}; [ -d "$D" ] || D=src/mlx_dflash/drafts/smollm2-135m
+  echo "draft: $D"
+fi
 nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())"
 quiet() { tr '\r' '\n' | grep -v 'run/s\]$'; }
 EOS_ARGS=(); [ -n "${NO_EOS:-}" ] && EOS_ARGS=(--no-eos)
@@ -56,11 +59,14 @@ scale)  # the draft vocabulary at Qwen3.5-9B's shape (4-bit target, 248k-way hea
     echo "== Qwen3.5-9B shape, 4-bit, per-cycle costs, draft vocabulary: ${vocab:-all} =="
     bench --scale qwen3.5-9b --quant 4 --costs-only --lengths 1024 ${vocab:+--draft-vocab $vocab} --out "$R/q35_9b_vocab${vocab:-all}"
   done ;;
-hybrid)  # Qwen3.5-9B shape, bf16, random weights: one Gated DeltaNet layer's verify + rollback
-  # (mlx-lm's mixer + replay vs delta_rule.py), per-cycle costs, then the replay goal (>= 4x)
-  python3 scripts/hybrid_rollback_costs.py --compile
+hybrid)  # Qwen3.5-9B shape, bf16, random weights: our CUDA delta-rule kernel against mlx-lm's ops
+  # (pytest: stage_all.sh stages its wheels), one Gated DeltaNet layer's verify + rollback
+  # (mlx-lm's mixer + replay vs delta_rule.py's two forms), per-cycle costs, then the replay
+  # goals (>= 4x at 1,024 tokens, >= 2x at 4,096)
+  python3 -m pytest -p no:cacheprovider -o addopts="" -q -rs tests/test_delta_rule.py 2>&1 | tail -4
+  python3 scripts/hybrid_rollback_costs.py
   bench --scale qwen3.5-9b --costs-only --lengths 1024 4096 --out "$R/q35_9b_costs"
-  bench --scale qwen3.5-9b --lengths 1024 --num-prompts 1 --replay-mean 6.5 --out "$R/q35_9b_replay" ;;
+  bench --scale qwen3.5-9b --lengths ${LENGTHS:-1024 4096} --num-prompts 1 --replay-mean 6.5 --out "$R/q35_9b_replay" ;;
 profile)  # where a cycle's time goes (draft, verify, a plain step), per block size
   python3 scripts/profile_cycle.py smollm2-135m "$D" --blocks 4 8 16 --prompts .device/b/humaneval.jsonl 2>&1 | quiet ;;
 *) echo "unknown part: $part" ;;

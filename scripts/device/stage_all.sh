@@ -17,6 +17,9 @@ export MLX_DFLASH_HOME=${MLX_DFLASH_HOME:-$HOME/.cache/mlx-dflash}
 mlx-dflash models fetch smollm2-135m >/dev/null
 bash ../shared/device/stage-mlx-cuda "$MLX_DFLASH_HOME/gguf/smollm2-135m.gguf"
 python -m mlx_dflash.bench_prompts > .device/b/humaneval.jsonl
+# pytest for the device (bench_gpu.sh PARTS=hybrid runs the CUDA kernel's test there)
+python -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux_2_35_x86_64 \
+  -d .device/b pytest  # env.sh installs every wheel there
 if [ "${QWEN_PAIR:-1}" = 1 ]; then
   pair=$(mktemp -d)
   for model in qwen2.5-coder-0.5b qwen2.5-coder-1.5b; do

@@ -3,29 +3,33 @@
 mlx-lm advances a Gated DeltaNet state one token after another (a fused kernel on
 Apple GPUs; on CUDA and the CPU a Python loop of small ops per token) and returns only
 the final state. A DFlash verify feeds a block of up to 16 tokens and keeps a prefix of
-it, so it wants the block in a few large ops and the state after ANY prefix. Both come
-from the chunked form of the gated delta rule (Yang et al., "Gated Delta Networks",
-2024). With per-token decay g_t, G_t = g_1...g_t and the state S (Dv x Dk), a step is
+it, so it wants the block in few launches and the state after ANY prefix. Two forms:
+
+* stepwise, on CUDA: our own kernel (``mx.fast.cuda_kernel``) runs the whole block token
+  after token in one launch, each warp holding one row of a head's state in registers;
+  rolling back runs it again over the kept tokens from the saved state (one more launch).
+* chunked, elsewhere: the chunked form of the gated delta rule (Yang et al., "Gated Delta
+  Networks", 2024). With per-token decay g_t, G_t = g_1...g_t and the state S (Dv x Dk), a
+  step is
 
     S_t = g_t S_{t-1} + d_t k_t^T,   d_t = beta_t (v_t - g_t S_{t-1} k_t),   y_t = S_t q_t
 
-so S_t = G_t S_0 + sum_{i<=t} (G_t / G_i) d_i k_i^T, and the d_t solve one unit lower
-triangular system (I + N) D = R, N[t, i] = beta_t (G_t / G_i) (k_t . k_i) for i < t.
-N is nilpotent, so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8) for 16 tokens: four
-small matmuls, no triangular solver (MLX has one on the CPU only). The state after the
-first n tokens is then one matmul, so rolling back a rejected tail replays nothing.
+  so S_t = G_t S_0 + sum_{i<=t} (G_t / G_i) d_i k_i^T, and the d_t solve one unit lower
+  triangular system (I + N) D = R, N[t, i] = beta_t (G_t / G_i) (k_t . k_i) for i < t.
+  N is nilpotent, so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8) for 16 tokens: four
+  small matmuls, no triangular solver (MLX has one on the CPU only). The state after the
+  first n tokens is then one matmul, so rolling back a rejected tail replays nothing.
 
 ``BlockDeltaMixer`` wraps ONE layer's token mixer instance (no mlx-lm class is patched):
-blocks of 2 to ``MAX_BLOCK`` tokens take this path, and so do prompts, ``MAX_BLOCK`` tokens a
-chunk (except on Apple GPUs, where mlx-lm's fused kernel takes a prompt in one launch); single
-tokens, padded batches and anything else run mlx-lm's own forward (so plain decode steps stay
-mlx-lm's own).
+blocks of 2 to ``MAX_BLOCK`` tokens take these paths, and so do prompts (chunked: ``MAX_BLOCK``
+tokens a chunk), except on Apple GPUs, where mlx-lm's fused kernel takes a prompt in one
+launch; single tokens, padded batches and anything else run mlx-lm's own forward (so plain
+decode steps stay mlx-lm's own).
 Its steps mirror mlx-lm's GatedDeltaNet forward (projections, causal conv window,
 normalised q/k, gated output norm); tests/test_families.py checks every hybrid family's
 DFlash tokens against mlx-lm greedy and the rollback against feeding the accepted tokens
-alone. Measured on the CPU so far (scripts/hybrid_rollback_costs.py); on Apple GPUs
-mlx-lm's fused kernel runs a block in one launch, so there the clear gain is the replay
-it saves.
+alone, in both forms (the stepwise one on the CPU through mlx-lm's ops; the CUDA kernel
+against those ops on the GPU: scripts/hybrid_rollback_costs.py). Costs: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -34,11 +38,77 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import compute_g, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
-from .device import on_apple_gpu
+from .device import on_apple_gpu, on_cuda
 
 MAX_BLOCK = 64  # tokens per chunk; a verify block is one chunk, a prompt several
+
+# One warp per row of one value head's state (Dv rows of Dk columns, Dk / 32 per lane), all T
+# steps in registers: the recurrence of mlx-lm's `_gated_delta_step_ops`, in the order it
+# computes it (decay, recall S k, delta, update, read out S q), one launch for a whole block.
+_STEPWISE_CUDA_SOURCE = """
+    constexpr int per_lane = Dk / 32;
+    const int lane = threadIdx.x;
+    const int row = blockIdx.y * blockDim.y + threadIdx.y;
+    const int head = blockIdx.z;  // batch * Hv + value head
+    const int b = head / Hv, hv = head % Hv, hk = hv / (Hv / Hk);
+    const int T = q_shape[1];
+    const size_t qk_at = ((size_t)b * T * Hk + hk) * Dk, v_at = ((size_t)b * T * Hv + hv) * Dv + row;
+    const size_t gate_at = (size_t)b * T * Hv + hv, state_at = ((size_t)head * Dv + row) * Dk;
+    float s[per_lane];
+    for (int i = 0; i < per_lane; ++i) s[i] = state_in[state_at + i * 32 + lane];
+    for (int t = 0; t < T; ++t) {
+      const size_t qk = qk_at + (size_t)t * Hk * Dk;
+      const float decay = static_cast<float>(g[gate_at + (size_t)t * Hv]);
+      float recall = 0.0f;
+      for (int i = 0; i < per_lane; ++i) {
+        s[i] *= decay;
+        recall += s[i] * static_cast<float>(k[qk + i * 32 + lane]);
+      }
+      for (int gap = 16; gap > 0; gap >>= 1) recall += __shfl_xor_sync(0xffffffff, recall, gap);
+      const float delta = (static_cast<float>(v[v_at + (size_t)t * Hv * Dv]) - recall)
+                          * static_cast<float>(beta[gate_at + (size_t)t * Hv]);
+      float out = 0.0f;
+      for (int i = 0; i < per_lane; ++i) {
+        s[i] += static_cast<float>(k[qk + i * 32 + lane]) * delta;
+        out += s[i] * static_cast<float>(q[qk + i * 32 + lane]);
+      }
+      for (int gap = 16; gap > 0; gap >>= 1) out += __shfl_xor_sync(0xffffffff, out, gap);
+      if (lane == 0) y[v_at + (size_t)t * Hv * Dv] = static_cast<InT>(out);
+    }
+    for (int i = 0; i < per_lane; ++i) state_out[state_at + i * 32 + lane] = s[i];
+"""
+_stepwise_cuda_kernel = None  # built at first use (needs MLX's CUDA backend)
+
+
+def _fits_cuda_kernel(k: mx.array, v: mx.array) -> bool:
+    return k.shape[-1] % 32 == 0 and v.shape[-1] % 4 == 0 and v.shape[-2] % k.shape[-2] == 0
+
+
+def stepwise_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                        state: mx.array) -> tuple[mx.array, mx.array]:
+    """The gated delta rule token after token, as mlx-lm runs it (same shapes as its
+    ``gated_delta_ops``: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv], state
+    [B, Hv, Dv, Dk]; returns y [B, T, Hv, Dv] in q's dtype and the final state, float32).
+
+    On CUDA it is one kernel launch (``_STEPWISE_CUDA_SOURCE``) where the chunked form takes
+    ~40 small launches a layer; elsewhere, and for head sizes the kernel does not take, it is
+    mlx-lm's own ops (a Python loop over tokens)."""
+    global _stepwise_cuda_kernel
+    state = state.astype(mx.float32)
+    if not (on_cuda() and _fits_cuda_kernel(k, v)):
+        return gated_delta_ops(q, k, v, g, beta, state)
+    if _stepwise_cuda_kernel is None:
+        _stepwise_cuda_kernel = mx.fast.cuda_kernel(
+            name="dflash_gated_delta_steps", input_names=["q", "k", "v", "g", "beta", "state_in"],
+            output_names=["y", "state_out"], source=_STEPWISE_CUDA_SOURCE)
+    (B, T, Hk, Dk), (Hv, Dv) = k.shape, v.shape[-2:]
+    return _stepwise_cuda_kernel(
+        inputs=[q, k, v, g, beta, state],
+        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
+        output_shapes=[(B, T, Hv, Dv), state.shape], output_dtypes=[q.dtype, mx.float32])
 
 
 def _inverse_unit_lower(n: mx.array) -> mx.array:
@@ -89,14 +159,19 @@ def state_after(chunk: tuple, n: int) -> mx.array:
 
 
 class BlockDeltaMixer(nn.Module):
-    """A Gated DeltaNet token mixer (one instance) that runs short inputs in chunked form
-    and can rewind its cache to any prefix of the latest such call."""
+    """A Gated DeltaNet token mixer (one instance) that runs short inputs as one block and can
+    rewind its cache to any prefix of the latest such call.
 
-    def __init__(self, mixer: nn.Module):
+    Two forms of the same recurrence: ``stepwise`` (the default on CUDA: one kernel launch for the
+    block, and a rewind runs it again over the kept tokens from the saved state) and chunked (the
+    default elsewhere: a few large ops, and a rewind is one matmul)."""
+
+    def __init__(self, mixer: nn.Module, stepwise: Optional[bool] = None):
         super().__init__()
         self.mixer = mixer
+        self.stepwise = on_cuda() if stepwise is None else stepwise
         self._before: Optional[list] = None  # the cache's arrays before the latest call
-        self._latest: Optional[tuple] = None  # (conv window + inputs, chunk) of the latest chunked call
+        self._latest: Optional[tuple] = None  # (conv window + inputs, state after n tokens) of the latest block
 
     def _projections(self, inputs: mx.array) -> tuple[mx.array, ...]:
         """(q|k|v before the conv [B, S, conv_dim], z [B, S, Hv, Dv], b, a [B, S, Hv])."""
@@ -132,35 +207,46 @@ class BlockDeltaMixer(nn.Module):
         k = k.reshape(B, S, m.num_k_heads, m.head_k_dim)
         v = v.reshape(B, S, m.num_v_heads, m.head_v_dim)
         q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
-        if (repeat := m.num_v_heads // m.num_k_heads) > 1:
-            q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
         state = cache[1] if cache[1] is not None else mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), mx.float32)
-        log_g = mx.log(mx.maximum(compute_g(m.A_log, a, m.dt_bias), 1e-30))  # a full decay: G ~ 0, not log 0
-        q, k, v, log_g, beta = (x.swapaxes(1, 2) for x in (q, k, v, log_g, mx.sigmoid(b)))  # heads first
+        g, beta = compute_g(m.A_log, a, m.dt_bias), mx.sigmoid(b)
+        if self.stepwise:
+            y, cache[1] = stepwise_delta_rule(q, k, v, g, beta, state)
+
+            def state_at(n: int) -> mx.array:  # the kept tokens again, from the saved state
+                return stepwise_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state)[1]
+        else:
+            y, cache[1], state_at = self._chunked(q, k, v, g, beta, state)
+        if S <= MAX_BLOCK:  # a block: keep what rewinding to any prefix needs
+            self._latest = (conv_input, state_at)
+        out = m.norm(y.astype(inputs.dtype), z)
+        return m.out_proj(out.reshape(B, S, -1))
+
+    def _chunked(self, q, k, v, g, beta, state) -> tuple[mx.array, mx.array, Any]:
+        """(y [B, S, Hv, Dv], the final state, the state after n tokens of the last chunk)."""
+        if (repeat := v.shape[2] // k.shape[2]) > 1:
+            q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
+        log_g = mx.log(mx.maximum(g, 1e-30))  # a full decay: G ~ 0, not log 0
+        q, k, v, log_g, beta = (x.swapaxes(1, 2) for x in (q, k, v, log_g, beta))  # heads first
         ys = []
-        for start in range(0, S, MAX_BLOCK):  # a prompt: chunk after chunk, carrying the state
+        for start in range(0, q.shape[2], MAX_BLOCK):  # a prompt: chunk after chunk, carrying the state
             part = slice(start, start + MAX_BLOCK)
             y, chunk = chunk_delta_rule(q[:, :, part], k[:, :, part], v[:, :, part], log_g[..., part],
                                         beta[..., part], state)
             state = state_after(chunk, y.shape[2])
             ys.append(y)
-        cache[1] = state
-        if S <= MAX_BLOCK:  # a block: keep what rewinding to any prefix needs
-            self._latest = (conv_input, chunk)
         y = mx.concatenate(ys, axis=2) if len(ys) > 1 else ys[0]
-        out = m.norm(y.swapaxes(1, 2).astype(inputs.dtype), z)
-        return m.out_proj(out.reshape(B, S, -1))
+        return y.swapaxes(1, 2), state, lambda n: state_after(chunk, n)
 
     def rewind(self, cache: Any, keep: int) -> None:
         """Set ``cache`` to its state after the first ``keep`` tokens of the latest call (any
-        prefix of a chunked block; of other calls, none of it)."""
+        prefix of a block; of other calls, none of it)."""
         if keep == 0 and self._before is not None:
             cache.cache = list(self._before)
         elif self._latest is not None:
-            conv_input, chunk = self._latest
+            conv_input, state_at = self._latest
             window = self.mixer.conv_kernel_size - 1
             cache[0] = mx.contiguous(conv_input[:, keep : keep + window])
-            cache[1] = state_after(chunk, keep)
+            cache[1] = state_at(keep)
         else:
             raise RuntimeError("a recurrent cache can roll back its latest call, once; part of it only after a block")
         self._before = self._latest = None

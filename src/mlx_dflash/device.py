@@ -9,3 +9,8 @@ def on_apple_gpu() -> bool:
     """Metal: its fused kernels (a Gated DeltaNet prompt in one launch) and its precompiled
     quantized matmuls change what is fastest; the CPU and CUDA share the other path."""
     return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def on_cuda() -> bool:
+    """NVIDIA GPUs (MLX's CUDA backend): where our own CUDA kernels run (``mx.fast.cuda_kernel``)."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
