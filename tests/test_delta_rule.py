@@ -6,18 +6,22 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.gated_delta import gated_delta_ops
 
 from mlx_dflash import generate
-from mlx_dflash.delta_rule import MAX_BLOCK, chunk_delta_rule, state_after
+from mlx_dflash.delta_rule import MAX_BLOCK, chunk_delta_rule, state_after, stepwise_delta_rule
 from mlx_dflash.replay import ReplayProposer
 from mlx_dflash.target import Target
 from tiny_models import VOCAB_SIZE, load_tiny, make_tiny_target, tiny_pair
 
 
+def _unit(x: mx.array) -> mx.array:
+    """Unit-norm rows, as Qwen3.5's normalisation of q and k gives."""
+    return x / mx.linalg.norm(x, axis=-1, keepdims=True)
+
+
 def _inputs(steps: int, decay_low: float, seed: int):
-    """Unit-norm keys (as Qwen3.5's normalisation gives), 4 value heads over 2 key heads."""
+    """Unit-norm keys, 4 value heads over 2 key heads."""
     mx.random.seed(seed)
-    unit = lambda x: x / mx.linalg.norm(x, axis=-1, keepdims=True)
-    q = unit(mx.random.normal((1, steps, 2, 32))) * 32**-0.5
-    k = unit(mx.random.normal((1, steps, 2, 32)))
+    q = _unit(mx.random.normal((1, steps, 2, 32))) * 32**-0.5
+    k = _unit(mx.random.normal((1, steps, 2, 32)))
     v = mx.random.normal((1, steps, 4, 24))
     g = mx.random.uniform(decay_low, 1.0, (1, steps, 4))
     beta = mx.random.uniform(0.0, 1.0, (1, steps, 4))
@@ -115,13 +119,10 @@ def test_stepwise_form_equals_greedy_and_rolls_back(tmp_path, family):
 def test_cuda_kernel_equals_mlx_lm_ops(dtype):
     """Our CUDA kernel against mlx-lm's token-by-token ops, at Qwen3.5-9B's head sizes
     (16 key heads of 128, 32 value heads of 128), 16 tokens and a 300-token prompt."""
-    from mlx_dflash.delta_rule import stepwise_delta_rule
-
     for steps in (16, 300):
         mx.random.seed(steps)
-        unit = lambda x: x / mx.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-        q = (unit(mx.random.normal((1, steps, 16, 128))) * 128**-0.5).astype(dtype)
-        k = unit(mx.random.normal((1, steps, 16, 128))).astype(dtype)
+        q = (_unit(mx.random.normal((1, steps, 16, 128))) * 128**-0.5).astype(dtype)
+        k = _unit(mx.random.normal((1, steps, 16, 128))).astype(dtype)
         v = mx.random.normal((1, steps, 32, 128)).astype(dtype)
         g = mx.random.uniform(0.5, 1.0, (1, steps, 32))
         beta = mx.random.uniform(0.0, 1.0, (1, steps, 32)).astype(dtype)

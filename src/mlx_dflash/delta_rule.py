@@ -28,8 +28,10 @@ decode steps stay mlx-lm's own).
 Its steps mirror mlx-lm's GatedDeltaNet forward (projections, causal conv window,
 normalised q/k, gated output norm); tests/test_families.py checks every hybrid family's
 DFlash tokens against mlx-lm greedy and the rollback against feeding the accepted tokens
-alone, in both forms (the stepwise one on the CPU through mlx-lm's ops; the CUDA kernel
-against those ops on the GPU: scripts/hybrid_rollback_costs.py). Costs: BENCHMARKS.md.
+alone, in both forms (the stepwise one on the CPU through mlx-lm's ops); on a GPU,
+tests/test_delta_rule.py checks the CUDA kernel against those ops. Costs: BENCHMARKS.md
+(tenth session: 0.6-0.8 ms a layer for a 16-token verify + rewind at Qwen3.5-9B's shape on an
+H200, the chunked form 1.3-1.7 ms).
 """
 
 from __future__ import annotations
