@@ -1,4 +1,5 @@
-"""The chunked gated delta rule against mlx-lm's own token-by-token recurrence."""
+"""Both forms of the gated delta rule (chunked, and stepwise: our CUDA kernel) against mlx-lm's own
+token-by-token recurrence, and the rollback of each."""
 
 import mlx.core as mx
 import pytest
@@ -7,6 +8,7 @@ from mlx_lm.models.gated_delta import gated_delta_ops
 
 from mlx_dflash import generate
 from mlx_dflash.delta_rule import MAX_BLOCK, chunk_delta_rule, state_after, stepwise_delta_rule
+from mlx_dflash.device import on_cuda
 from mlx_dflash.replay import ReplayProposer
 from mlx_dflash.target import Target
 from tiny_models import VOCAB_SIZE, load_tiny, make_tiny_target, tiny_pair
@@ -114,7 +116,7 @@ def test_stepwise_form_equals_greedy_and_rolls_back(tmp_path, family):
                 assert mx.abs(x - y).max().item() <= 1e-5 * max(mx.abs(y).max().item(), 1.0)
 
 
-@pytest.mark.skipif(not mx.cuda.is_available(), reason="the kernel runs on MLX's CUDA backend only")
+@pytest.mark.skipif(not on_cuda(), reason="the kernel runs on MLX's CUDA backend only")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_cuda_kernel_equals_mlx_lm_ops(dtype):
     """Our CUDA kernel against mlx-lm's token-by-token ops, at Qwen3.5-9B's head sizes

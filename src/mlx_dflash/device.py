@@ -13,4 +13,4 @@ def on_apple_gpu() -> bool:
 
 def on_cuda() -> bool:
     """NVIDIA GPUs (MLX's CUDA backend): where our own CUDA kernels run (``mx.fast.cuda_kernel``)."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
