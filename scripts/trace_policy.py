@@ -1,13 +1,14 @@
 """What does the adaptive policy do, cycle by cycle? (run with PYTHONPATH=src)
 
     python scripts/trace_policy.py DRAFT [--model smollm2-135m] [--prompts FILE.jsonl]
-        [--prompt-index 1 2 ...] [--tokens 256]
+        [--prompt-index 1 2 ...] [--tokens 256] [--shared-policy]
 
 For each chosen prompt (HumanEval unless --prompts; EOS off), runs adaptive DFlash and mlx-lm greedy (after one
 warm-up generation) and prints: both speeds; every cycle that was not plain decoding
 (block size, acceptance, ms) when there are few, else a count per block size; the total
 time of plain and non-plain cycles (the exploration and probe cost a poor draft adds);
 and every slow cycle (over 5x the median of its block size), the trace of a stall.
+--shared-policy: one policy for all the prompts (as `serve` and `bench` keep one), not one each.
 On Linux CPUs use the OpenBLAS LD_PRELOAD that `mlx-dflash doctor` prints.
 """
 
@@ -28,6 +29,7 @@ parser.add_argument("--model", default=DEFAULT_MODEL)
 parser.add_argument("--prompts", default=None, help="a .jsonl of prompts (default: HumanEval)")
 parser.add_argument("--prompt-index", type=int, nargs="+", default=[1])
 parser.add_argument("--tokens", type=int, default=256)
+parser.add_argument("--shared-policy", action="store_true")
 args = parser.parse_args()
 
 model, tok = load_target(args.model)
@@ -44,15 +46,16 @@ class TracedPolicy(BlockPolicy):
 
 
 engine.BlockPolicy = TracedPolicy  # this script only: the engine builds its policy from this name
+adaptive = TracedPolicy(draft.block_size) if args.shared_policy else True
 warmed = False
 for index in args.prompt_index:
     prompt = encode_chat(tok, texts[index])
     if not warmed:
         run_mlx_lm(model, tok, prompt, 64)
-        generate(model, tok, prompt, draft, max_tokens=64, adaptive=True)
+        generate(model, tok, prompt, draft, max_tokens=64, adaptive=adaptive)
         warmed = True
     cycles.clear()
-    result = generate(model, tok, prompt, draft, max_tokens=args.tokens, adaptive=True)
+    result = generate(model, tok, prompt, draft, max_tokens=args.tokens, adaptive=adaptive)
     tokens, _, decode_s, _ = run_mlx_lm(model, tok, prompt, args.tokens)
     print(f"prompt {index}: adaptive {args.tokens / result.decode_seconds:.2f} tok/s, "
           f"mlx-lm {len(tokens) / decode_s:.2f} tok/s, mean acceptance {result.mean_acceptance_length:.2f}")

@@ -74,6 +74,20 @@ def test_a_shared_policy_keeps_its_costs_and_starts_each_text_afresh():
     assert drive(BlockPolicy(16), lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10)[WARMUP_CYCLES] == 1
 
 
+def test_a_shared_policy_warms_up_with_one_block_and_keeps_its_probe_back_off():
+    """A text's warm-up block is timed when the policy knows that size already (one block, not
+    two), and probes that kept losing on earlier texts stay rare (a useless draft costs less)."""
+    useless, cost = (lambda b: 1), (lambda b: 2.0 if b == 16 else 1.0)
+    policy = BlockPolicy(16)
+    drive(policy, useless, cost, 300)
+    assert policy.probe_every > PROBE_START
+    policy.start_text()
+    shared = drive(policy, useless, cost, 100)
+    fresh = drive(BlockPolicy(16), useless, cost, 100)
+    assert shared[:2] == [16, 1] and fresh[:WARMUP_CYCLES] == [16] * WARMUP_CYCLES
+    assert shared.count(2) == 0 < fresh.count(2)
+
+
 def test_candidate_sizes():
     assert candidate_sizes(16) == [1, 2, 4, 8, 16]
     assert candidate_sizes(10) == [1, 2, 4, 8, 10]

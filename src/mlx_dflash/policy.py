@@ -12,15 +12,17 @@ and then (less often each time it loses; a cheaper probe than a full block) so t
 policy notices, one size at a time, when the text becomes predictable.
 
 One policy can serve many generations (the server's and the benchmark's do): costs per
-size belong to the machine and the model pair, so they carry over, and a new text starts
-with no exploration; the acceptance statistics belong to one text and start afresh.
+size belong to the machine and the model pair, so they carry over, and so does how rarely
+probes pay (their back-off); a new text starts with one full block to learn its acceptance
+(two for a policy that has not timed that size yet), not with exploration; the acceptance
+statistics belong to one text and start afresh.
 """
 
 from __future__ import annotations
 
 PROBE_START = 16  # cycles between probes, doubled after each losing probe
 PROBE_MAX = 256
-WARMUP_CYCLES = 2  # full blocks first (the first is not timed), to learn the draft's acceptance
+WARMUP_CYCLES = 2  # full blocks first (the first is not timed), to learn the text's acceptance
 
 
 def candidate_sizes(max_block: int) -> list[int]:
@@ -38,14 +40,15 @@ class BlockPolicy:
         self.sizes = candidate_sizes(max_block)
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
         self.samples: dict[int, int] = {}  # block size -> cycles seen (the first is not timed)
+        self.probe_every = PROBE_START
         self.start_text()
 
     def start_text(self) -> None:
-        """A new generation: forget the acceptance seen so far, keep the measured costs."""
+        """A new generation: forget the acceptance seen so far, keep the measured costs and
+        the probes' back-off."""
         self.slot_checked = [0] * self.max_block  # slot k: cycles whose slots 1..k-1 were all accepted
         self.slot_accepted = [0] * self.max_block
         self.cycles = 0
-        self.probe_every = PROBE_START
         self.since_probe = 0
         self.probing: int | None = None  # the size being probed, one above the best
 
@@ -78,7 +81,8 @@ class BlockPolicy:
         largest = sizes[-1]
         if largest == 1:
             return 1
-        if self.cycles < WARMUP_CYCLES or not any(size > 1 for size in self.seconds):
+        warmup = 1 if largest in self.seconds else WARMUP_CYCLES  # the first cycle of a size is not timed
+        if self.cycles < warmup or not any(size > 1 for size in self.seconds):
             return largest  # warm-up: the largest block that fits, until one drafting size is timed
         if 1 not in self.seconds:
             return 1
@@ -108,9 +112,8 @@ class BlockPolicy:
         if block not in self.sizes:  # a block of another size (a caller's own limit): no cost to learn
             return
         self.samples[block] = self.samples.get(block, 0) + 1
-        # A size's first cycle carries one-off costs (CPU, SmolLM2: 19 ms for the first 16-block
-        # vs ~200 steady, 142 ms for the first plain step vs ~80); such outliers steered the
-        # policy wrong for a dozen cycles, so it is not timed.
+        # A size's first cycle carries one-off costs (CPU, SmolLM2: 142 ms for the first plain
+        # step vs ~80); such outliers steered the policy wrong for a dozen cycles, so it is not timed.
         if self.samples[block] > 1:
             old = self.seconds.get(block)
             self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
