@@ -156,9 +156,9 @@ def decode_cycles(
     can_queue_ahead = not (sampling and sampling.logits_processors)
     emitted, bonus_id = 1, bonus.item()
     yield Cycle([bonus_id], None)
-    # A cycle is timed from the end of the previous one: its graph building and, on the CPU, most
-    # of its run (there `mx.async_eval` of a large graph returns only near its end) count, as they
-    # do in every later cycle, whose launch comes after the previous record.
+    # Each cycle is timed from the end of the previous one, a window that holds one launch: its
+    # graph building and, on the CPU, most of its run (there `mx.async_eval` of a large graph
+    # returns only near the end of it). The first launch belongs in its window too.
     synced = time.perf_counter()
     pending = launch(bonus, next_block()) if emitted < max_tokens else None
     while pending is not None:
