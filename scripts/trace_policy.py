@@ -16,7 +16,7 @@ import argparse
 import statistics
 from collections import Counter
 
-from mlx_dflash import engine, generate, load_draft, load_target
+from mlx_dflash import generate, load_draft, load_target
 from mlx_dflash.bench import humaneval_prompts, run_mlx_lm
 from mlx_dflash.data import encode_chat, read_prompts
 from mlx_dflash.models import DEFAULT_MODEL
@@ -45,17 +45,23 @@ class TracedPolicy(BlockPolicy):
         super().record(block, acceptance, seconds)
 
 
-engine.BlockPolicy = TracedPolicy  # this script only: the engine builds its policy from this name
-adaptive = TracedPolicy(draft.block_size) if args.shared_policy else True
+shared = TracedPolicy(draft.block_size) if args.shared_policy else None
+
+
+def policy() -> TracedPolicy:
+    """The shared policy, or a fresh one per generation (what ``adaptive=True`` would build)."""
+    return shared or TracedPolicy(draft.block_size)
+
+
 warmed = False
 for index in args.prompt_index:
     prompt = encode_chat(tok, texts[index])
     if not warmed:
         run_mlx_lm(model, tok, prompt, 64)
-        generate(model, tok, prompt, draft, max_tokens=64, adaptive=adaptive)
+        generate(model, tok, prompt, draft, max_tokens=64, adaptive=policy())
         warmed = True
     cycles.clear()
-    result = generate(model, tok, prompt, draft, max_tokens=args.tokens, adaptive=adaptive)
+    result = generate(model, tok, prompt, draft, max_tokens=args.tokens, adaptive=policy())
     tokens, _, decode_s, _ = run_mlx_lm(model, tok, prompt, args.tokens)
     print(f"prompt {index}: adaptive {args.tokens / result.decode_seconds:.2f} tok/s, "
           f"mlx-lm {len(tokens) / decode_s:.2f} tok/s, mean acceptance {result.mean_acceptance_length:.2f}")

@@ -277,7 +277,9 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                     sampling = dataclasses.replace(sampling, accept="match")
                 adaptive: Union[bool, BlockPolicy] = False
                 if name.endswith("_adaptive"):
-                    adaptive = policies.setdefault(name, BlockPolicy(cfg.block_size or proposer.block_size))
+                    if name not in policies:
+                        policies[name] = BlockPolicy(cfg.block_size or proposer.block_size)
+                    adaptive = policies[name]
                 runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer,
                                                              cfg.block_size, sampling, adaptive)))
     finally:
