@@ -1,8 +1,8 @@
 """One Gated DeltaNet layer at Qwen3.5-9B dims: a 16-token verify and the rollback to k
 accepted tokens, then a prompt's prefill; mlx-lm's own mixer (token-by-token recurrence,
 rollback by replaying the accepted tokens) against delta_rule.BlockDeltaMixer in its two forms:
-chunked (rollback by one matmul) and stepwise (on CUDA our one-launch kernel; rollback runs it
-again over the kept tokens). Run: python scripts/hybrid_rollback_costs.py [--iters 10]
+chunked (rollback by one matmul) and stepwise (on CUDA our one-launch kernel; rollback reads
+the state it saved after each token). Run: python scripts/hybrid_rollback_costs.py [--iters 10]
 [--prompt-len 512] [--compile] (on Linux, with OpenBLAS in LD_PRELOAD as `mlx-dflash doctor`
 describes; on a GPU as is). --compile: the chunked mixer's verify + rewind again with
 delta_rule's two functions under mx.compile (fewer, fused kernels: a candidate for GPUs, where

@@ -88,8 +88,8 @@ def test_long_prompts_prefill_chunk_by_chunk(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
 def test_stepwise_form_equals_greedy_and_rolls_back(tmp_path, family):
-    """The stepwise form (CUDA's default: one kernel launch a block, a rewind runs the kept
-    tokens again from the saved state), here through mlx-lm's ops: DFlash tokens equal mlx-lm
+    """The stepwise form (CUDA's default: one kernel launch a block, which keeps the state after
+    each token for a rewind), here through mlx-lm's ops: DFlash tokens equal mlx-lm
     greedy with partial acceptance of every kind, and a rollback leaves the state of feeding
     the kept tokens alone."""
     model, tokenizer, prompt, reference = tiny_pair(tmp_path / family, family, "def fib(n):\n    return", 96)
@@ -129,9 +129,13 @@ def test_cuda_kernel_equals_mlx_lm_ops(dtype):
         g = mx.random.uniform(0.5, 1.0, (1, steps, 32))
         beta = mx.random.uniform(0.0, 1.0, (1, steps, 32)).astype(dtype)
         state = mx.random.normal((1, 32, 128, 128))
-        y, final = stepwise_delta_rule(q, k, v, g, beta, state)
+        y, final, states = stepwise_delta_rule(q, k, v, g, beta, state, save_states=steps == 16)
         y_ref, final_ref = gated_delta_ops(q, k, v, g, beta, state)
         assert y.dtype == y_ref.dtype == dtype
         tolerance = 1e-2 if dtype == mx.bfloat16 else 1e-5  # bf16 outputs: a rounding step apart
         assert mx.abs(y.astype(mx.float32) - y_ref.astype(mx.float32)).max().item() <= tolerance * mx.abs(y_ref).max().item()
         assert mx.abs(final - final_ref).max().item() <= 1e-5 * mx.abs(final_ref).max().item()
+        if steps == 16:  # the state after every prefix, as a rewind reads it
+            for n in (1, 7, 15, 16):
+                _, want = gated_delta_ops(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state)
+                assert mx.abs(states[n - 1] - want).max().item() <= 1e-5 * mx.abs(want).max().item()

@@ -7,7 +7,7 @@ it, so it wants the block in few launches and the state after ANY prefix. Two fo
 
 * stepwise, on CUDA: our own kernel (``mx.fast.cuda_kernel``) runs the whole block token
   after token in one launch, each warp holding one row of a head's state in registers;
-  rolling back runs it again over the kept tokens from the saved state (one more launch).
+  the same launch writes the state after every token of a block, and rolling back reads one.
 * chunked, elsewhere: the chunked form of the gated delta rule (Yang et al., "Gated Delta
   Networks", 2024). With per-token decay g_t, G_t = g_1...g_t and the state S (Dv x Dk), a
   step is
@@ -78,6 +78,10 @@ _STEPWISE_CUDA_SOURCE = """
       }
       for (int gap = 16; gap > 0; gap >>= 1) out += __shfl_xor_sync(0xffffffff, out, gap);
       if (lane == 0) y[v_at + (size_t)t * Hv * Dv] = static_cast<InT>(out);
+      if (SaveStates) {
+        const size_t at = (((size_t)t * gridDim.z + head) * Dv + row) * Dk;
+        for (int i = 0; i < per_lane; ++i) states[at + i * 32 + lane] = s[i];
+      }
     }
     for (int i = 0; i < per_lane; ++i) state_out[state_at + i * 32 + lane] = s[i];
 """
@@ -89,10 +93,12 @@ def _fits_cuda_kernel(k: mx.array, v: mx.array) -> bool:
 
 
 def stepwise_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-                        state: mx.array) -> tuple[mx.array, mx.array]:
+                        state: mx.array, save_states: bool = False
+                        ) -> tuple[mx.array, mx.array, Optional[mx.array]]:
     """The gated delta rule token after token, as mlx-lm runs it (same shapes as its
     ``gated_delta_ops``: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv], state
-    [B, Hv, Dv, Dk]; returns y [B, T, Hv, Dv] in q's dtype and the final state, float32).
+    [B, Hv, Dv, Dk]; returns y [B, T, Hv, Dv] in q's dtype, the final state (float32) and, with
+    ``save_states``, the state after every token [T, B, Hv, Dv, Dk]: a rewind then reads one).
 
     On CUDA it is one kernel launch (``_STEPWISE_CUDA_SOURCE``) where the chunked form takes
     ~40 small launches a layer; elsewhere, and for head sizes the kernel does not take, it is
@@ -100,17 +106,27 @@ def stepwise_delta_rule(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta
     global _stepwise_cuda_kernel
     state = state.astype(mx.float32)
     if not (on_cuda() and _fits_cuda_kernel(k, v)):
-        return gated_delta_ops(q, k, v, g, beta, state)
+        if not save_states:
+            return (*gated_delta_ops(q, k, v, g, beta, state), None)
+        ys, states = [], []
+        for t in range(q.shape[1]):  # token by token, keeping every state
+            y, state = gated_delta_ops(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1],
+                                       beta[:, t : t + 1], state)
+            ys.append(y)
+            states.append(state)
+        return mx.concatenate(ys, axis=1), state, mx.stack(states)
     if _stepwise_cuda_kernel is None:
         _stepwise_cuda_kernel = mx.fast.cuda_kernel(
             name="dflash_gated_delta_steps", input_names=["q", "k", "v", "g", "beta", "state_in"],
-            output_names=["y", "state_out"], source=_STEPWISE_CUDA_SOURCE)
+            output_names=["y", "state_out", "states"], source=_STEPWISE_CUDA_SOURCE)
     (B, T, Hk, Dk), (Hv, Dv) = k.shape, v.shape[-2:]
-    return _stepwise_cuda_kernel(
+    y, final, states = _stepwise_cuda_kernel(
         inputs=[q, k, v, g, beta, state],
-        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("SaveStates", save_states)],
         grid=(32, Dv, B * Hv), threadgroup=(32, 4, 1),
-        output_shapes=[(B, T, Hv, Dv), state.shape], output_dtypes=[q.dtype, mx.float32])
+        output_shapes=[(B, T, Hv, Dv), state.shape, (T, *state.shape) if save_states else (1,)],
+        output_dtypes=[q.dtype, mx.float32, mx.float32])
+    return y, final, (states if save_states else None)
 
 
 def _inverse_unit_lower(n: mx.array) -> mx.array:
@@ -165,7 +181,7 @@ class BlockDeltaMixer(nn.Module):
     rewind its cache to any prefix of the latest such call.
 
     Two forms of the same recurrence: ``stepwise`` (the default on CUDA: one kernel launch for the
-    block, and a rewind runs it again over the kept tokens from the saved state) and chunked (the
+    block, which also writes the state after each token, and a rewind reads one) and chunked (the
     default elsewhere: a few large ops, and a rewind is one matmul)."""
 
     def __init__(self, mixer: nn.Module, stepwise: Optional[bool] = None):
@@ -212,10 +228,10 @@ class BlockDeltaMixer(nn.Module):
         state = cache[1] if cache[1] is not None else mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), mx.float32)
         g, beta = compute_g(m.A_log, a, m.dt_bias), mx.sigmoid(b)
         if self.stepwise:
-            y, cache[1] = stepwise_delta_rule(q, k, v, g, beta, state)
+            y, cache[1], states = stepwise_delta_rule(q, k, v, g, beta, state, save_states=S <= MAX_BLOCK)
 
-            def state_at(n: int) -> mx.array:  # the kept tokens again, from the saved state
-                return stepwise_delta_rule(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], state)[1]
+            def state_at(n: int) -> mx.array:
+                return states[n - 1]
         else:
             y, cache[1], state_at = self._chunked(q, k, v, g, beta, state)
         if S <= MAX_BLOCK:  # a block: keep what rewinding to any prefix needs
