@@ -36,13 +36,13 @@ model, tok = load_target(args.model)
 draft = load_draft(args.draft, dtype=float_dtype(model))
 tok.eos_token_ids = set()
 texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
-cycles: list[tuple[int, int, float]] = []
+cycles: list[tuple[object, int, float]] = []  # (block size, or "f" for a plain step with a forecast, a+1, ms)
 
 
 class TracedPolicy(BlockPolicy):
-    def record(self, block: int, acceptance: int, seconds: float) -> None:
-        cycles.append((block, acceptance, round(seconds * 1000, 1)))
-        super().record(block, acceptance, seconds)
+    def record(self, block: int, acceptance: int, seconds: float, forecast: bool = False) -> None:
+        cycles.append(("f" if forecast else block, acceptance, round(seconds * 1000, 1)))
+        super().record(block, acceptance, seconds, forecast)
 
 
 shared = TracedPolicy(draft.block_size) if args.shared_policy else None
@@ -65,16 +65,16 @@ for index in args.prompt_index:
     tokens, _, decode_s, _ = run_mlx_lm(model, tok, prompt, args.tokens)
     print(f"prompt {index}: adaptive {args.tokens / result.decode_seconds:.2f} tok/s, "
           f"mlx-lm {len(tokens) / decode_s:.2f} tok/s, mean acceptance {result.mean_acceptance_length:.2f}")
-    others = [c for c in cycles if c[0] > 1]
+    others = [c for c in cycles if c[0] != 1]
     plain = [c[2] for c in cycles if c[0] == 1]
     if len(others) <= 40:
         print(f"  non-plain cycles (block, a+1, ms): {others}")
     else:
-        print(f"  cycles per block size: {dict(sorted(Counter(c[0] for c in cycles).items()))}")
+        print(f"  cycles per block size: {dict(sorted(Counter(c[0] for c in cycles).items(), key=str))}")
     if plain:
         print(f"  plain: {len(plain)} cycles, median {statistics.median(plain)} ms, {sum(plain):.0f} ms in all; "
               f"non-plain {sum(c[2] for c in others):.0f} ms in all")
     medians = {b: statistics.median(c[2] for c in cycles if c[0] == b) for b in {c[0] for c in cycles}}
     slow = [(i, *c) for i, c in enumerate(cycles) if c[2] > 5 * medians[c[0]]]
-    print(f"  median ms per block size: {dict(sorted(medians.items()))}")
+    print(f"  median ms per block size: {dict(sorted(medians.items(), key=str))}")
     print(f"  slow cycles (index, block, a+1, ms): {slow[:30]}; {sum(c[3] for c in slow):.0f} ms in all")

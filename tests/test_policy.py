@@ -6,16 +6,24 @@ from tiny_models import VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import generate
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes
+from mlx_dflash.policy import PROBE_MAX, PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes
 from mlx_dflash.replay import ReplayProposer
 
 
 def drive(policy, acceptance_of, seconds_of, cycles):
+    """The policy on a simulated pair; the sizes it chose, "f" for a plain step with a forecast
+    (whose first ``acceptance_of(max_block) - 1`` guesses come true)."""
     chosen = []
     for _ in range(cycles):
         block = policy.choose()
-        chosen.append(block)
-        policy.record(block, min(acceptance_of(block), block), seconds_of(block))
+        forecast = policy.wants_forecast
+        chosen.append("f" if forecast else block)
+        policy.record(block, min(acceptance_of(block), block), seconds_of(block), forecast)
+        if forecast:
+            policy.start_forecast([0] * (policy.max_block - 1))
+        if policy.guess is not None:  # the token this step committed, against the next guess
+            hits = acceptance_of(policy.max_block) - 1
+            policy.observe([0 if policy.guess_checked < hits else 1])
     return chosen
 
 
@@ -25,9 +33,9 @@ def test_poor_draft_falls_back_to_plain_decoding_and_probes_rarely():
     chosen = drive(policy, lambda b: 1, lambda b: 2.0 if b == 16 else 1.0, 300)
     assert chosen[:WARMUP_CYCLES] == [16] * WARMUP_CYCLES
     later = chosen[100:]
-    assert later.count(2) <= len(later) / PROBE_START  # probes (one size up) back off
+    assert later.count("f") <= len(later) / PROBE_START  # probes (forecasts beside plain steps) back off
     assert later.count(1) > 0.9 * len(later)
-    assert set(chosen) == {1, 2, 16}  # 4 and 8 cannot beat plain decoding: never tried
+    assert set(chosen) == {1, "f", 16}  # 2, 4 and 8 cannot beat plain decoding: never tried
 
 
 def test_policy_climbs_back_when_the_text_becomes_predictable():
@@ -68,15 +76,18 @@ def test_a_shared_policy_keeps_its_costs_and_starts_each_text_afresh():
     costs = dict(policy.seconds)
     policy.start_text()
     assert policy.seconds == costs and policy.slot_checked == [0] * 16 and policy.cycles == 0
-    # the next text's draft is perfect: after the warm-up, full blocks at once (a fresh policy
-    # would time plain decoding first)
-    assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10) == [16] * 10
+    # the next text's draft is perfect: a forecast, then full blocks as soon as its first guess
+    # comes true (a fresh policy would time plain decoding first)
+    assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10) == ["f"] + [16] * 9
     assert drive(BlockPolicy(16), lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10)[WARMUP_CYCLES] == 1
+    policy.start_text()  # after a text where blocks won: a full block first, as a fresh policy
+    assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 3) == [16] * 3
 
 
-def test_a_shared_policy_warms_up_with_one_block_and_keeps_its_probe_back_off():
-    """A text's warm-up block is timed when the policy knows that size already (one block, not
-    two), and probes that kept losing on earlier texts stay rare (a useless draft costs less)."""
+def test_a_shared_policy_starts_a_text_with_a_forecast_and_keeps_its_probe_back_off():
+    """After a text where plain decoding won, a new text's acceptance comes from a forecast (a
+    draft pass) instead of a verified block, and probes that kept losing on earlier texts stay
+    rare: a useless draft costs one draft pass per text."""
     useless, cost = (lambda b: 1), (lambda b: 2.0 if b == 16 else 1.0)
     policy = BlockPolicy(16)
     drive(policy, useless, cost, 300)
@@ -84,8 +95,24 @@ def test_a_shared_policy_warms_up_with_one_block_and_keeps_its_probe_back_off():
     policy.start_text()
     shared = drive(policy, useless, cost, 100)
     fresh = drive(BlockPolicy(16), useless, cost, 100)
-    assert shared[:2] == [16, 1] and fresh[:WARMUP_CYCLES] == [16] * WARMUP_CYCLES
-    assert shared.count(2) == 0 < fresh.count(2)
+    assert shared[:2] == ["f", 1] and shared.count("f") == 1 and 16 not in shared
+    assert fresh[:WARMUP_CYCLES] == [16] * WARMUP_CYCLES and fresh.count("f") > 1
+
+
+def test_a_forecast_checks_its_guesses_until_the_first_miss():
+    policy = BlockPolicy(16)
+    policy.seconds = {1: 1.0, 16: 40.0}
+    policy.cycles = 1  # a text where plain decoding won
+    policy.start_text()
+    assert policy.choose() == 1 and policy.wants_forecast
+    assert policy.choose() == 1 and not policy.wants_forecast  # one forecast at a time
+    policy.record(1, 1, 9.0, forecast=True)
+    assert policy.samples[1] == 1 and policy.seconds[1] == 1.0  # a forecast's step is not timed
+    policy.start_forecast([5, 6, 7, 8])
+    policy.observe([5])
+    policy.observe([6, 9, 8])  # a block's tokens: checked in turn, to the first miss
+    assert policy.slot_checked[1:5] == [1, 1, 1, 0] and policy.slot_accepted[1:5] == [1, 1, 0, 0]
+    assert policy.guess is None and not policy.forecasting
 
 
 def test_candidate_sizes():
@@ -123,3 +150,18 @@ def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):
         proposer = ReplayProposer(prompt + reference, 16, [2], VOCAB_SIZE)
         result = generate(model, tokenizer, prompt, proposer, max_tokens=max_tokens, adaptive=True)
         assert result.tokens == reference[:max_tokens]
+
+
+def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir):
+    """The forecast drafted beside a plain step records the acceptance a block would have had
+    (the replayed guesses are right for 5 slots, then wrong); the output stays mlx-lm's."""
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-forecast", "qwen3", "forecast", 40)
+    policy = BlockPolicy(16)
+    policy.seconds = {size: 1.0 if size == 1 else 100.0 for size in policy.sizes}  # plain decoding wins
+    policy.probe_every = PROBE_MAX  # only the text's first forecast
+    policy.cycles = 1  # as after a text where plain decoding won (generate starts the text)
+    proposer = ReplayProposer(prompt + reference, 16, [5], VOCAB_SIZE)
+    result = generate(model, tokenizer, prompt, proposer, max_tokens=30, adaptive=policy)
+    assert result.tokens == reference[:30]
+    assert result.acceptance_lengths == [1] * 29  # plain steps only
+    assert policy.slot_checked[1:8] == [1] * 6 + [0] and policy.slot_accepted[1:7] == [1] * 5 + [0]

@@ -56,16 +56,29 @@ class DFlashProposer:
     def start(self, target: Target) -> None:
         self.target = target
         self.cache = self.draft.make_cache()
-        self.pending: list[mx.array] = []
+        self.pending: list[mx.array] = []  # projected context, not yet in the draft's cache
+        self.single: list[mx.array] = []  # tapped features of single tokens (plain steps), unprojected
         # greedy drafts pick among the draft vocabulary only (when it has one): a smaller head
         self.vocab_head = target.head_rows(self.draft_vocab) if self.draft_vocab is not None else None
 
     def add_context(self, features: mx.array) -> None:
+        # Plain steps add one token each: projected together at the next draft, not one by
+        # one (a few ops fewer per step, where a small model on a GPU is launch-bound).
+        if features.shape[1] == 1:
+            self.single.append(features)
+            return
+        self._project_singles()
         self.pending.append(self.draft.project_context(features))
+
+    def _project_singles(self) -> None:
+        if self.single:
+            self.pending.append(self.draft.project_context(mx.concatenate(self.single, axis=1)))
+            self.single = []
 
     def _slot_hidden(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Final hidden states [1, num_tokens, H] of the block slots after ``first_token``."""
         block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
+        self._project_singles()
         new_context = mx.concatenate(self.pending, axis=1) if self.pending else None
         self.pending = []
         return self.draft(self.target.embed(block[None]), new_context, self.cache)[:, 1:]
@@ -121,34 +134,43 @@ def decode_cycles(
     history = prompt.tolist()  # committed tokens before the current block, for logits processors
     bonus = first_token(sampling, _prefill(target, proposer, prompt, cache)[None], prompt)  # [1]
 
-    def launch(first: mx.array, block_len: int):
-        """Draft and verify one block (lazily); queue it on the device."""
+    def launch(first: mx.array, block_len: int, forecast: bool = False):
+        """Draft and verify one block (lazily); queue it on the device. ``forecast``: a plain
+        step that also drafts a full block, only as the policy's guess (``policy.py``)."""
         n = block_len - 1
         before = mx.array(history, dtype=mx.uint32) if sampling and sampling.logits_processors else None
-        if n == 0:
-            drafted, q = first[:0], None
-        elif sampling is None:
-            drafted, q = proposer.propose(first, n).astype(mx.uint32), None
-        elif hasattr(proposer, "draft_logits"):
-            drafted, q = draft_tokens(sampling, proposer.draft_logits(first, n), before, first)
-        else:  # a proposer without distributions (replay): its proposal is certain, q is one-hot
-            drafted = proposer.propose(first, n).astype(mx.uint32)
-            exact = sampling.greedy or sampling.accept == "match"
-            q = None if exact else (mx.arange(target.vocab_size)[None] == drafted[:, None]).astype(mx.float32)
-        block = mx.concatenate([first, drafted])
-        logits, features = target(block[None], cache)
-        if sampling is None:
-            tokens = mx.argmax(logits[0], axis=-1).astype(mx.uint32)  # the target's own choice after each slot
-            accepted = matching_prefix(drafted, tokens)
+        if n == 0 and sampling is None:  # a plain greedy step, in as few ops as mlx-lm's: nothing to
+            logits, features = target(first[None], cache)  # match (a small model on a GPU is launch-bound)
+            tokens, accepted = mx.argmax(logits[0], axis=-1), None
         else:
-            tokens, accepted = verify(sampling, logits[0], before, block, drafted, q)
-        mx.async_eval(tokens, accepted, features)
-        return tokens, accepted, features
+            if n == 0:
+                drafted, q = first[:0], None
+            elif sampling is None:
+                drafted, q = proposer.propose(first, n).astype(mx.uint32), None
+            elif hasattr(proposer, "draft_logits"):
+                drafted, q = draft_tokens(sampling, proposer.draft_logits(first, n), before, first)
+            else:  # a proposer without distributions (replay): its proposal is certain, q is one-hot
+                drafted = proposer.propose(first, n).astype(mx.uint32)
+                exact = sampling.greedy or sampling.accept == "match"
+                q = None if exact else (mx.arange(target.vocab_size)[None] == drafted[:, None]).astype(mx.float32)
+            block = mx.concatenate([first, drafted])
+            logits, features = target(block[None], cache)
+            if sampling is None:
+                tokens = mx.argmax(logits[0], axis=-1)  # the target's own choice after each slot (uint32)
+                accepted = matching_prefix(drafted, tokens)
+            else:
+                tokens, accepted = verify(sampling, logits[0], before, block, drafted, q)
+        guess = proposer.propose(first, proposer.block_size - 1) if forecast else None
+        mx.async_eval(tokens, features, *(x for x in (accepted, guess) if x is not None))
+        return tokens, accepted, features, guess
 
-    def next_block(uncounted: int = 0) -> int:
-        """The next block's size; ``uncounted``: tokens of the current cycle not yet in ``emitted``."""
+    def next_block(uncounted: int = 0) -> tuple[int, bool]:
+        """The next block's size and whether it carries a forecast; ``uncounted``: tokens of
+        the current cycle not yet in ``emitted``."""
         wanted = max_tokens - emitted - uncounted
-        return policy.choose(limit=wanted) if policy else min(block_size, wanted)
+        if not policy:
+            return min(block_size, wanted), False
+        return policy.choose(limit=wanted), policy.wants_forecast
 
     # Plain decoding (block size 1) needs no accept count to pick its next input, so, like
     # mlx-lm's generate_step, its next step is queued before the host waits for this one.
@@ -160,28 +182,35 @@ def decode_cycles(
     # graph building and, on the CPU, most of its run (there `mx.async_eval` of a large graph
     # returns only near the end of it). The first launch belongs in its window too.
     synced = time.perf_counter()
-    pending = launch(bonus, next_block()) if emitted < max_tokens else None
+    pending = launch(bonus, *next_block()) if emitted < max_tokens else None
     while pending is not None:
-        tokens, accepted, features = pending
+        tokens, accepted, features, guess = pending
         block_len = tokens.size
         queued = choice = None
-        if block_len == 1 and can_queue_ahead and emitted + 1 < max_tokens:
-            choice = next_block(uncounted=1)
-            queued = launch(tokens, 1) if choice == 1 else None
-        a = accepted.item()  # the cycle's single device-to-host sync (tokens are evaluated with it)
+        if block_len == 1:  # nothing to reject: its context is known before the sync
+            proposer.add_context(features)
+            if can_queue_ahead and emitted + 1 < max_tokens:
+                choice = next_block(uncounted=1)
+                queued = launch(tokens, *choice) if choice[0] == 1 else None
+        a = 0 if accepted is None else accepted.item()  # the cycle's single device-to-host sync
+        whole = a + 1 == block_len  # (a plain step's sync is the tolist: its tokens are all kept)
+        committed = (tokens if whole else tokens[: a + 1]).tolist()  # a accepted drafts, then the bonus
         if policy:
-            policy.record(block_len, a + 1, time.perf_counter() - synced)
+            policy.record(block_len, a + 1, time.perf_counter() - synced, forecast=guess is not None)
             synced = time.perf_counter()
-        committed = tokens[: a + 1].tolist()  # a accepted drafts, then the bonus token
+            if guess is not None:
+                policy.start_forecast(guess.tolist())
+            policy.observe(committed)
         target.rollback(cache, block_len - (a + 1))  # drop rejected drafts (the bonus is not cached)
-        proposer.add_context(features[:, : a + 1])
+        if block_len > 1:
+            proposer.add_context(features[:, : a + 1])
         emitted += a + 1
         history += [bonus_id] + committed[:-1]  # history: every token before the next block's first
-        bonus, bonus_id = tokens[a : a + 1], committed[-1]
+        bonus, bonus_id = tokens if block_len == 1 else tokens[a : a + 1], committed[-1]
         if queued is not None:
             pending = queued
         else:
-            pending = launch(bonus, choice or next_block()) if emitted < max_tokens else None
+            pending = launch(bonus, *(choice or next_block())) if emitted < max_tokens else None
         yield Cycle(committed, a + 1)
 
 

@@ -11,11 +11,17 @@ with short blocks. While a smaller size wins, the next size up is still tried no
 and then (less often each time it loses; a cheaper probe than a full block) so the
 policy notices, one size at a time, when the text becomes predictable.
 
+While plain decoding wins, a probe is a *forecast*: one draft pass beside a plain step,
+whose guess is checked slot by slot against the tokens plain decoding then commits, until
+it misses. That measures the draft's acceptance for the price of one draft pass (on an H200
+a verify costs ~3 plain steps and a SmolLM2 draft pass ~0.6), and verifies nothing.
+
 One policy can serve many generations (the server's and the benchmark's do): costs per
 size belong to the machine and the model pair, so they carry over, and so does how rarely
-probes pay (their back-off); a new text starts with one full block to learn its acceptance
-(two for a policy that has not timed that size yet), not with exploration; the acceptance
-statistics belong to one text and start afresh.
+probes pay (their back-off); the acceptance statistics belong to one text and start afresh.
+A new text starts with full blocks (two for a size not timed yet: a size's first cycle is not
+timed), or, when plain decoding won the previous text, with a forecast: a useless draft then
+costs one draft pass per text instead of a verified block (~3 plain steps on an H200).
 """
 
 from __future__ import annotations
@@ -41,16 +47,22 @@ class BlockPolicy:
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
         self.samples: dict[int, int] = {}  # block size -> cycles seen (the first is not timed)
         self.probe_every = PROBE_START
+        self.wants_forecast = False  # set by ``choose``: draft a forecast beside this plain step
         self.start_text()
 
     def start_text(self) -> None:
         """A new generation: forget the acceptance seen so far, keep the measured costs and
-        the probes' back-off."""
+        the probes' back-off, and whether plain decoding won the latest text."""
+        self.plain_won = getattr(self, "cycles", 0) > 0 and 1 in self.seconds and self.best(self.sizes) == 1
         self.slot_checked = [0] * self.max_block  # slot k: cycles whose slots 1..k-1 were all accepted
         self.slot_accepted = [0] * self.max_block
         self.cycles = 0
         self.since_probe = 0
         self.probing: int | None = None  # the size being probed, one above the best
+        self.forecasting = False  # a forecast was asked for and is not settled yet
+        self.forecast_is_probe = False
+        self.guess: list[int] | None = None  # the forecast's tokens, once drafted
+        self.guess_checked = 0
 
     def expected_tokens(self, block: int) -> float:
         """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it)."""
@@ -76,11 +88,21 @@ class BlockPolicy:
 
     def choose(self, limit: int | None = None) -> int:
         """The next block size, at most ``limit`` (the tokens still wanted): every block is
-        then a whole candidate size whose cost can be learned, also in short generations."""
+        then a whole candidate size whose cost can be learned, also in short generations.
+        Sets ``wants_forecast`` when the plain step it picks should carry a forecast."""
+        self.wants_forecast = False
+        size = self._choose(limit)
+        if size > 1 and self.forecasting:  # blocks measure the acceptance themselves
+            self._settle_forecast()
+        return size
+
+    def _choose(self, limit: int | None) -> int:
         sizes = [size for size in self.sizes if limit is None or size <= limit]
         largest = sizes[-1]
-        if largest == 1:
-            return 1
+        if largest == 1 or (self.forecasting and self.guess_checked == 0):
+            return 1  # (a forecast's first slot decides whether blocks are worth a try)
+        if self.cycles == 0 and self.plain_won and largest in self.seconds:
+            return self._forecast(probe=False)  # a new text after a poor one: its acceptance, cheaply
         warmup = 1 if largest in self.seconds else WARMUP_CYCLES  # the first cycle of a size is not timed
         if self.cycles < warmup or not any(size > 1 for size in self.seconds):
             return largest  # warm-up: the largest block that fits, until one drafting size is timed
@@ -94,14 +116,46 @@ class BlockPolicy:
         if best == largest:
             return best
         self.since_probe += 1
-        if self.since_probe >= self.probe_every:  # a smaller size is winning: look one size up now and then
+        if self.since_probe >= self.probe_every and not self.forecasting:  # look one size up now and then
             self.since_probe = 0
+            if best == 1:
+                return self._forecast(probe=True)
             self.probing = sizes[sizes.index(best) + 1]
             return self.probing
         return best
 
-    def record(self, block: int, acceptance: int, seconds: float) -> None:
-        """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall time."""
+    def _forecast(self, probe: bool) -> int:
+        self.wants_forecast = self.forecasting = True
+        self.forecast_is_probe = probe
+        self.guess, self.guess_checked = None, 0
+        return 1
+
+    def start_forecast(self, guess: list[int]) -> None:
+        """The draft's guess at the tokens after the plain step that carried it, from its
+        first (the token that step commits) on."""
+        self.guess, self.guess_checked = guess, 0
+
+    def observe(self, committed: list[int]) -> None:
+        """Tokens a cycle committed: the next slots of a forecast, checked against them."""
+        for token in committed:
+            if self.guess is None:
+                return
+            hit = token == self.guess[self.guess_checked]
+            self.guess_checked += 1
+            self.slot_checked[self.guess_checked] += 1
+            self.slot_accepted[self.guess_checked] += hit
+            if not hit or self.guess_checked == len(self.guess):
+                self._settle_forecast()
+
+    def _settle_forecast(self) -> None:
+        self.forecasting, self.guess = False, None
+        if self.forecast_is_probe:  # like a probe's: it lost, look less often; it won, blocks win
+            won = self.best(self.sizes) > 1
+            self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
+
+    def record(self, block: int, acceptance: int, seconds: float, forecast: bool = False) -> None:
+        """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall
+        time; ``forecast``: it also drafted a forecast, so its time is not its size's."""
         self.cycles += 1
         accepted = acceptance - 1
         for k in range(1, accepted + 1):
@@ -114,7 +168,7 @@ class BlockPolicy:
         self.samples[block] = self.samples.get(block, 0) + 1
         # A size's first cycle carries one-off costs (CPU, SmolLM2: 142 ms for the first plain
         # step vs ~80); such outliers steered the policy wrong for a dozen cycles, so it is not timed.
-        if self.samples[block] > 1:
+        if self.samples[block] > 1 and not forecast:
             old = self.seconds.get(block)
             self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
         if block == self.probing:  # a probe lost: look less often; it won: it is the new best
