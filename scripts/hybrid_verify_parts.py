@@ -1,0 +1,84 @@
+"""Where a hybrid target's verify time goes: the whole forward (through ``Target``, as the engine
+runs it) for one token and for a block at a given context, then again with one kind of part
+switched off on this model instance (its Gated DeltaNet mixers, its attention, its MLPs or its
+output head replaced by zeros), so that each part's share of the block's extra cost shows.
+
+    python scripts/hybrid_verify_parts.py [--shape qwen3.5-9b] [--quant 4] [--context 1024] [--block 16]
+
+At Qwen3.5-9B's shape on an H200 a 16-token verify cost ~1.5 one-token steps (tenth session:
+14.2 vs 9.3 ms at 1,024 tokens); the replay's 4x goal needs it near one.
+"""
+
+import argparse
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+from mlx_dflash.scale import random_target
+from mlx_dflash.target import Target
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--shape", default="qwen3.5-9b")
+parser.add_argument("--quant", type=int, choices=[4, 8])
+parser.add_argument("--context", type=int, default=1024)
+parser.add_argument("--block", type=int, default=16)
+parser.add_argument("--iters", type=int, default=20)
+args = parser.parse_args()
+
+
+class Zeros(nn.Module):
+    """A part switched off: its output is zeros of its input's shape."""
+
+    def __call__(self, x, *args, **kwargs):
+        return mx.zeros_like(x)
+
+
+model, config = random_target(args.shape, quant=args.quant)
+target = Target(model, [1])
+cache = target.make_cache()
+target(mx.random.randint(0, config["vocab_size"], (1, args.context)).astype(mx.uint32), cache)
+mx.eval([c.state for c in cache])
+recurrent = [(c, list(c.cache)) for c in cache if isinstance(c, ArraysCache)]
+attention = [(c, c.offset) for c in cache if not isinstance(c, ArraysCache)]
+
+
+def forward_ms(length: int) -> float:
+    tokens = mx.random.randint(0, config["vocab_size"], (1, length)).astype(mx.uint32)
+
+    def once():
+        logits, features = target(tokens, cache)
+        mx.eval(mx.argmax(logits, axis=-1), features)
+        for c, arrays in recurrent:  # back to the context's end, whatever ran
+            c.cache = list(arrays)
+        for c, offset in attention:
+            c.trim(c.offset - offset)
+
+    once()
+    tic = time.perf_counter()
+    for _ in range(args.iters):
+        once()
+    return 1000 * (time.perf_counter() - tic) / args.iters
+
+
+layers = [target._decoder_layer(i) for i in range(len(target.model.layers))]
+lm = target.text_model
+parts = {
+    "everything": [],
+    "no Gated DeltaNet mixers": [(layer, "linear_attn") for layer in layers if hasattr(layer, "linear_attn")],
+    "no attention": [(layer, "self_attn") for layer in layers if hasattr(layer, "self_attn")],
+    "no MLPs": [(layer, "mlp") for layer in layers],
+    "no output head": [(lm, "lm_head")] if hasattr(lm, "lm_head") else [],
+}
+print(f"{mx.default_device()}, MLX {mx.__version__}, {args.shape}{f' {args.quant}-bit' if args.quant else ''}, "
+      f"context {args.context}, ms per forward")
+for name, switched_off in parts.items():
+    kept = [(owner, attr, getattr(owner, attr)) for owner, attr in switched_off]
+    for owner, attr in switched_off:
+        setattr(owner, attr, Zeros())
+    one, block = forward_ms(1), forward_ms(args.block)
+    print(f"{name:26s} 1 token {one:7.2f}, {args.block} tokens {block:7.2f}, difference {block - one:6.2f}",
+          flush=True)
+    for owner, attr, part in kept:
+        setattr(owner, attr, part)
