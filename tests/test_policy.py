@@ -80,7 +80,9 @@ def test_a_shared_policy_keeps_its_costs_and_starts_each_text_afresh():
     # comes true (a fresh policy would time plain decoding first)
     assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10) == ["f"] + [16] * 9
     assert drive(BlockPolicy(16), lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10)[WARMUP_CYCLES] == 1
-    policy.start_text()  # after a text where blocks won: a full block first, as a fresh policy
+    policy.probe_every = 8 * PROBE_START
+    policy.start_text()  # after a text where blocks won: a full block first and probes as often as at first
+    assert policy.probe_every == PROBE_START
     assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 3) == [16] * 3
 
 
@@ -150,6 +152,24 @@ def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):
         proposer = ReplayProposer(prompt + reference, 16, [2], VOCAB_SIZE)
         result = generate(model, tokenizer, prompt, proposer, max_tokens=max_tokens, adaptive=True)
         assert result.tokens == reference[:max_tokens]
+
+
+def test_short_blocks_check_the_slot_after_them(tiny_dir):
+    """A draft proposes one token past a short block; when the block is wholly accepted, that
+    token is checked against the block's bonus token (the slot after the block)."""
+    policy = BlockPolicy(16)
+    policy.record(4, 4, 1.0)
+    policy.start_forecast([7], first_slot=4)
+    policy.observe([7])
+    assert policy.slot_checked[1:6] == [1, 1, 1, 1, 0] and policy.slot_accepted[4] == 1 and policy.guess is None
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-peek", "qwen3", "peek", 40)
+    policy = BlockPolicy(16)
+    policy.seconds = {1: 1.0, 2: 100.0, 4: 1.0, 8: 100.0, 16: 100.0}  # 4-token blocks win
+    proposer = ReplayProposer(prompt + reference, 16, [None], VOCAB_SIZE)  # a perfect draft
+    result = generate(model, tokenizer, prompt, proposer, max_tokens=33, adaptive=policy)
+    assert result.tokens == reference[:33] and result.acceptance_lengths == [16] + [4] * 4  # (a warm-up block)
+    assert policy.slot_checked[4] == policy.slot_accepted[4] == 1 + 4  # each whole 4-block: one check past it
+    assert policy.slot_checked[5] == 1
 
 
 def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir):

@@ -135,10 +135,13 @@ def decode_cycles(
     bonus = first_token(sampling, _prefill(target, proposer, prompt, cache)[None], prompt)  # [1]
 
     def launch(first: mx.array, block_len: int, forecast: bool = False):
-        """Draft and verify one block (lazily); queue it on the device. ``forecast``: a plain
-        step that also drafts a full block, only as the policy's guess (``policy.py``)."""
+        """Draft and verify one block (lazily); queue it on the device. Drafted tokens past
+        the verified ones (``guess``) are for the policy to check against the coming tokens
+        (``policy.py``): with ``forecast``, a plain step's whole draft; with any policy, one
+        token past a greedy block, to check against its bonus token if the block is accepted."""
         n = block_len - 1
         before = mx.array(history, dtype=mx.uint32) if sampling and sampling.logits_processors else None
+        guess = None
         if n == 0 and sampling is None:  # a plain greedy step, in as few ops as mlx-lm's: nothing to
             logits, features = target(first[None], cache)  # match (a small model on a GPU is launch-bound)
             tokens, accepted = mx.argmax(logits[0], axis=-1), None
@@ -146,7 +149,10 @@ def decode_cycles(
             if n == 0:
                 drafted, q = first[:0], None
             elif sampling is None:
-                drafted, q = proposer.propose(first, n).astype(mx.uint32), None
+                peek = policy is not None and block_len < proposer.block_size
+                drafted, q = proposer.propose(first, n + peek).astype(mx.uint32), None
+                if peek:
+                    drafted, guess = drafted[:n], drafted[n:]
             elif hasattr(proposer, "draft_logits"):
                 drafted, q = draft_tokens(sampling, proposer.draft_logits(first, n), before, first)
             else:  # a proposer without distributions (replay): its proposal is certain, q is one-hot
@@ -160,7 +166,8 @@ def decode_cycles(
                 accepted = matching_prefix(drafted, tokens)
             else:
                 tokens, accepted = verify(sampling, logits[0], before, block, drafted, q)
-        guess = proposer.propose(first, proposer.block_size - 1) if forecast else None
+        if forecast:
+            guess = proposer.propose(first, proposer.block_size - 1)
         mx.async_eval(tokens, features, *(x for x in (accepted, guess) if x is not None))
         return tokens, accepted, features, guess
 
@@ -196,11 +203,14 @@ def decode_cycles(
         whole = a + 1 == block_len  # (a plain step's sync is the tolist: its tokens are all kept)
         committed = (tokens if whole else tokens[: a + 1]).tolist()  # a accepted drafts, then the bonus
         if policy:
-            policy.record(block_len, a + 1, time.perf_counter() - synced, forecast=guess is not None)
+            forecast = guess is not None and block_len == 1  # its time holds a draft pass
+            policy.record(block_len, a + 1, time.perf_counter() - synced, forecast=forecast)
             synced = time.perf_counter()
-            if guess is not None:
-                policy.start_forecast(guess.tolist())
-            policy.observe(committed)
+            if guess is not None and whole:  # the draft's guesses from this cycle's last token on
+                policy.start_forecast(guess.tolist(), first_slot=block_len)
+                policy.observe(committed[-1:])
+            else:
+                policy.observe(committed)
         target.rollback(cache, block_len - (a + 1))  # drop rejected drafts (the bonus is not cached)
         if block_len > 1:
             proposer.add_context(features[:, : a + 1])
