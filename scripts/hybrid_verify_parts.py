@@ -1,9 +1,11 @@
-"""Where a hybrid target's verify time goes: the whole forward (through ``Target``, as the engine
-runs it) for one token and for a block at a given context, then again with one kind of part
-switched off on this model instance (its Gated DeltaNet mixers, its attention, its MLPs or its
-output head replaced by zeros), so that each part's share of the block's extra cost shows.
+"""Where a verify's time goes: the whole target forward (through ``Target``, as the engine runs
+it) for one token and for a block at a given context, then again with one kind of part switched
+off on this model instance (its Gated DeltaNet mixers, its attention, its MLPs or its output
+head replaced by zeros), so that each part's share of the block's extra cost shows.
 
     python scripts/hybrid_verify_parts.py [--shape qwen3.5-9b] [--quant 4] [--context 1024] [--block 16]
+    python scripts/hybrid_verify_parts.py --model smollm2-135m     # a real model (on Linux CPUs
+                                                                   # with the OpenBLAS LD_PRELOAD)
 
 At Qwen3.5-9B's shape on an H200 a 16-token verify cost ~1.5 one-token steps (tenth session:
 14.2 vs 9.3 ms at 1,024 tokens); the replay's 4x goal needs it near one.
@@ -17,10 +19,11 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from mlx_dflash.scale import random_target
-from mlx_dflash.target import Target
+from mlx_dflash.target import Target, load_target
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--shape", default="qwen3.5-9b")
+parser.add_argument("--shape", default="qwen3.5-9b", help="scale mode's random target of this shape")
+parser.add_argument("--model", help="a real target instead (registered name, folder or Hugging Face id)")
 parser.add_argument("--quant", type=int, choices=[4, 8])
 parser.add_argument("--context", type=int, default=1024)
 parser.add_argument("--block", type=int, default=16)
@@ -35,17 +38,17 @@ class Zeros(nn.Module):
         return mx.zeros_like(x)
 
 
-model, config = random_target(args.shape, quant=args.quant)
+model = load_target(args.model)[0] if args.model else random_target(args.shape, quant=args.quant)[0]
 target = Target(model, [1])
 cache = target.make_cache()
-target(mx.random.randint(0, config["vocab_size"], (1, args.context)).astype(mx.uint32), cache)
+target(mx.random.randint(0, target.vocab_size, (1, args.context)).astype(mx.uint32), cache)
 mx.eval([c.state for c in cache])
 recurrent = [(c, list(c.cache)) for c in cache if isinstance(c, ArraysCache)]
 attention = [(c, c.offset) for c in cache if not isinstance(c, ArraysCache)]
 
 
 def forward_ms(length: int) -> float:
-    tokens = mx.random.randint(0, config["vocab_size"], (1, length)).astype(mx.uint32)
+    tokens = mx.random.randint(0, target.vocab_size, (1, length)).astype(mx.uint32)
 
     def once():
         logits, features = target(tokens, cache)
@@ -71,7 +74,8 @@ parts = {
     "no MLPs": [(layer, "mlp") for layer in layers],
     "no output head": [(lm, "lm_head")] if hasattr(lm, "lm_head") else [],
 }
-print(f"{mx.default_device()}, MLX {mx.__version__}, {args.shape}{f' {args.quant}-bit' if args.quant else ''}, "
+name = args.model or f"{args.shape}{f' {args.quant}-bit' if args.quant else ''}"
+print(f"{mx.default_device()}, MLX {mx.__version__}, {name}, "
       f"context {args.context}, ms per forward")
 for name, switched_off in parts.items():
     kept = [(owner, attr, getattr(owner, attr)) for owner, attr in switched_off]
