@@ -3,8 +3,8 @@ it) for one token and for a block at a given context, then again with one kind o
 off on this model instance (its Gated DeltaNet mixers, its attention, its MLPs or its output
 head replaced by zeros), so that each part's share of the block's extra cost shows.
 
-    python scripts/hybrid_verify_parts.py [--shape qwen3.5-9b] [--quant 4] [--context 1024] [--block 16]
-    python scripts/hybrid_verify_parts.py --model smollm2-135m     # a real model (on Linux CPUs
+    python scripts/verify_part_shares.py [--shape qwen3.5-9b] [--quant 4] [--context 1024] [--block 16]
+    python scripts/verify_part_shares.py --model smollm2-135m     # a real model (on Linux CPUs
                                                                    # with the OpenBLAS LD_PRELOAD)
 
 At Qwen3.5-9B's shape on an H200 a 16-token verify cost ~1.5 one-token steps (tenth session:
