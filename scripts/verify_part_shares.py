@@ -7,8 +7,10 @@ head replaced by zeros), so that each part's share of the block's extra cost sho
     python scripts/verify_part_shares.py --model smollm2-135m     # a real model (on Linux CPUs
                                                                    # with the OpenBLAS LD_PRELOAD)
 
-At Qwen3.5-9B's shape on an H200 a 16-token verify cost ~1.5 one-token steps (tenth session:
-14.2 vs 9.3 ms at 1,024 tokens); the replay's 4x goal needs it near one.
+Measured (BENCHMARKS.md, eleventh session): at Qwen3.5-9B's shape on an H200 a 16-token forward
+costs 1.06 one-token forwards in bf16, 1.75 in 4-bit (MLX's quantized matmul for 16 rows);
+SmolLM2-135M on a 2-core CPU 1.77 at 256 tokens of context, two thirds of the difference in
+MLX's scalar exponential (SiLU, the attention softmax).
 """
 
 import argparse
