@@ -170,6 +170,11 @@ def test_short_blocks_check_the_slot_after_them(tiny_dir):
     assert result.tokens == reference[:33] and result.acceptance_lengths == [16] + [4] * 4  # (a warm-up block)
     assert policy.slot_checked[4] == policy.slot_accepted[4] == 1 + 4  # each whole 4-block: one check past it
     assert policy.slot_checked[5] == 1
+    # blocks of up to 8 from a 16-token draft: guesses stay within the policy's 8 slots
+    policy = BlockPolicy(8)
+    policy.seconds = {1: 1.0, 2: 100.0, 4: 1.0, 8: 100.0}
+    result = generate(model, tokenizer, prompt, proposer, max_tokens=33, block_size=8, adaptive=policy)
+    assert result.tokens == reference[:33] and policy.slot_checked[4] > 0
 
 
 def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir):
@@ -185,3 +190,9 @@ def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir):
     assert result.tokens == reference[:30]
     assert result.acceptance_lengths == [1] * 29  # plain steps only
     assert policy.slot_checked[1:8] == [1] * 6 + [0] and policy.slot_accepted[1:7] == [1] * 5 + [0]
+    # blocks of up to 4 from a 16-token draft: the forecast guesses the policy's 3 slots only
+    policy = BlockPolicy(4)
+    policy.seconds, policy.probe_every, policy.cycles = {1: 1.0, 2: 100.0, 4: 100.0}, PROBE_MAX, 1
+    proposer = ReplayProposer(prompt + reference, 16, [None], VOCAB_SIZE)
+    result = generate(model, tokenizer, prompt, proposer, max_tokens=30, block_size=4, adaptive=policy)
+    assert result.tokens == reference[:30] and policy.slot_checked[1:4] == [1, 1, 1]

@@ -137,7 +137,7 @@ def decode_cycles(
     def launch(first: mx.array, block_len: int, forecast: bool = False):
         """Draft and verify one block (lazily); queue it on the device. Drafted tokens past
         the verified ones (``guess``) are for the policy to check against the coming tokens
-        (``policy.py``): with ``forecast``, a plain step's whole draft; with any policy, one
+        (``policy.py``): with ``forecast``, a full block's drafts beside a plain step; with any policy, one
         token past a greedy block, to check against its bonus token if the block is accepted."""
         n = block_len - 1
         before = mx.array(history, dtype=mx.uint32) if sampling and sampling.logits_processors else None
@@ -149,7 +149,7 @@ def decode_cycles(
             if n == 0:
                 drafted, q = first[:0], None
             elif sampling is None:
-                peek = policy is not None and block_len < proposer.block_size
+                peek = policy is not None and block_len < block_size  # (the policy's slots: 1..block_size-1)
                 drafted, q = proposer.propose(first, n + peek).astype(mx.uint32), None
                 if peek:
                     drafted, guess = drafted[:n], drafted[n:]
@@ -167,7 +167,7 @@ def decode_cycles(
             else:
                 tokens, accepted = verify(sampling, logits[0], before, block, drafted, q)
         if forecast:
-            guess = proposer.propose(first, proposer.block_size - 1)
+            guess = proposer.propose(first, block_size - 1)
         mx.async_eval(tokens, features, *(x for x in (accepted, guess) if x is not None))
         return tokens, accepted, features, guess
 
