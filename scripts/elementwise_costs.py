@@ -8,20 +8,17 @@ On this 2-core x86 CPU MLX's exp is scalar (~14.5 ns an element, an add ~0.2 ns)
 SiLU and the softmax most of a 16-token verify's extra cost (BENCHMARKS.md, eleventh session).
 """
 
-import time
 
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
 
+from mlx_dflash.scale import milliseconds_per_call
+
 LAYERS, MLP, HEADS, KEYS = 30, 1536, 9, 272
 
 
-def ms(fn, iters: int = 20) -> float:
-    mx.eval(fn())
-    tic = time.perf_counter()
-    for _ in range(iters):
-        mx.eval(fn())
-    return 1000 * (time.perf_counter() - tic) / iters
+def ms(fn) -> float:
+    return milliseconds_per_call(lambda: mx.eval(fn()), 20)
 
 
 print(f"{mx.default_device()}, MLX {mx.__version__}, float32, {LAYERS} layers' worth")

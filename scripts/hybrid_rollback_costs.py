@@ -9,7 +9,6 @@ delta_rule's two functions under mx.compile (fewer, fused kernels: a candidate f
 the chunked form's ~40 small ops per layer may be launch-bound)."""
 
 import argparse
-import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -17,6 +16,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
 from mlx_dflash import delta_rule
 from mlx_dflash.delta_rule import BlockDeltaMixer
+from mlx_dflash.scale import milliseconds_per_call
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--iters", type=int, default=10)
@@ -45,11 +45,7 @@ def cache_copy() -> ArraysCache:
 
 
 def timed(fn) -> float:
-    fn()
-    tic = time.perf_counter()
-    for _ in range(args.iters):
-        fn()
-    return 1000 * (time.perf_counter() - tic) / args.iters
+    return milliseconds_per_call(fn, args.iters)
 
 
 def mlx_lm_cycle(keep: int):

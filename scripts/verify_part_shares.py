@@ -14,13 +14,12 @@ MLX's scalar exponential (SiLU, the attention softmax).
 """
 
 import argparse
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from mlx_dflash.scale import random_target
+from mlx_dflash.scale import milliseconds_per_call, random_target
 from mlx_dflash.target import Target, load_target
 
 parser = argparse.ArgumentParser()
@@ -60,11 +59,7 @@ def forward_ms(length: int) -> float:
         for c, offset in attention:
             c.trim(c.offset - offset)
 
-    once()
-    tic = time.perf_counter()
-    for _ in range(args.iters):
-        once()
-    return 1000 * (time.perf_counter() - tic) / args.iters
+    return milliseconds_per_call(once, args.iters)
 
 
 layers = [target._decoder_layer(i) for i in range(len(target.model.layers))]

@@ -17,11 +17,10 @@ tokens and for one: what is left of a verify's cost once attention is accounted 
 
 import argparse
 import os
-import time
 
 import mlx.core as mx
 
-import mlx_dflash  # noqa: F401  (sets MLX_CUDA_USE_CUDNN_SDPA=0 unless the caller set it)
+from mlx_dflash.scale import milliseconds_per_call  # (mlx_dflash sets MLX_CUDA_USE_CUDNN_SDPA=0 if unset)
 
 # query heads, kv heads, head dim, hidden size, MLP size
 SHAPES = {"smollm2-135m": (9, 3, 64, 576, 1536), "qwen3-8b": (32, 8, 128, 4096, 12288)}
@@ -57,11 +56,7 @@ def one_query(q, k, v, scale):
 
 
 def timed(fn) -> float:
-    mx.eval(fn())  # warm-up: kernels, graphs
-    tic = time.perf_counter()
-    for _ in range(args.iters):
-        mx.eval(fn())
-    return (time.perf_counter() - tic) * 1000 / args.iters
+    return milliseconds_per_call(lambda: mx.eval(fn()), args.iters)
 
 
 def projections(x, weights):

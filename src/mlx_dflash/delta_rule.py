@@ -30,8 +30,8 @@ normalised q/k, gated output norm); tests/test_families.py checks every hybrid f
 DFlash tokens against mlx-lm greedy and the rollback against feeding the accepted tokens
 alone, in both forms (the stepwise one on the CPU through mlx-lm's ops); on a GPU,
 tests/test_delta_rule.py checks the CUDA kernel against those ops. Costs: BENCHMARKS.md
-(tenth session: 0.6-0.8 ms a layer for a 16-token verify + rewind at Qwen3.5-9B's shape on an
-H200, the chunked form 1.3-1.7 ms).
+(eleventh session: 0.5-0.8 ms a layer for a 16-token verify + rewind at Qwen3.5-9B's shape on
+an H200, the chunked form 1.2-1.6 ms).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -114,6 +114,16 @@ def random_draft(config: dict, layers: int = 5, block_size: int = 16, vocab: Opt
     return draft
 
 
+def milliseconds_per_call(fn: Callable[[], object], iters: int) -> float:
+    """Mean wall milliseconds of ``fn()`` over ``iters`` calls, after one call not timed (kernel
+    builds, graphs, allocator). ``fn`` must evaluate what it builds (``mx.eval``)."""
+    fn()
+    tic = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - tic) * 1000 / iters
+
+
 def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, iters: int = 20) -> dict:
     """Milliseconds per draft pass, verify pass, rollback of half a block and single-token
     decode at ``context_len``, and the host's share of a cycle. Rollback is timed as (verify +
@@ -132,13 +142,6 @@ def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, it
     mx.eval([c.state for c in cache])
     first = mx.array([1], dtype=mx.uint32)
     block = mx.random.randint(0, target.vocab_size, (1, block_size)).astype(mx.uint32)
-
-    def timed(fn) -> float:
-        fn()  # warm-up
-        tic = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - tic) * 1000 / iters
 
     def draft_pass():
         mx.eval(proposer.propose(first, block_size - 1))
@@ -169,12 +172,12 @@ def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, it
 
     host_build()  # warm-up
     host_ms = sum(host_build() for _ in range(iters)) * 1000 / iters
-    verify_ms = timed(verify_then_rollback(0))
+    verify_ms = milliseconds_per_call(verify_then_rollback(0), iters)
     return {
         "context_len": context_len,
-        "draft_ms": timed(draft_pass),
+        "draft_ms": milliseconds_per_call(draft_pass, iters),
         "verify_plus_rollback_ms": verify_ms,
-        "rollback_ms": max(timed(verify_then_rollback(block_size // 2)) - verify_ms, 0.0),
-        "decode_one_token_ms": timed(decode_one),
+        "rollback_ms": max(milliseconds_per_call(verify_then_rollback(block_size // 2), iters) - verify_ms, 0.0),
+        "decode_one_token_ms": milliseconds_per_call(decode_one, iters),
         "host_ms": host_ms,
     }
