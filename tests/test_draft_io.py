@@ -161,7 +161,7 @@ def test_context_window_bounds_the_draft_cache_and_keeps_output_exact(tiny_dir):
     config.json, changes nothing while the context fits, and never changes the output."""
     from tiny_models import tiny_pair
 
-    from mlx_dflash.draft import ContextWindowCache
+    from mlx_dflash import draft as draft_module
     from mlx_dflash.engine import DFlashProposer
     from mlx_dflash.target import Target
 
@@ -172,23 +172,30 @@ def test_context_window_bounds_the_draft_cache_and_keeps_output_exact(tiny_dir):
     reloaded = load_draft(str(save_draft(draft, tiny_dir / "window-draft")))
     assert (reloaded.config.context_window, reloaded.config.context_sink) == (16, 2)
     assert generate(model, tokenizer, prompt, draft, max_tokens=60).tokens == reference
+    features = mx.random.normal((1, 200, len(draft.config.target_layer_ids) * config["hidden_size"]))
 
-    proposer = DFlashProposer(draft)
-    proposer.start(Target(model, draft.config.target_layer_ids))
-    assert all(isinstance(c, ContextWindowCache) for c in proposer.cache)
-    features = mx.random.normal((1, 40, len(draft.config.target_layer_ids) * config["hidden_size"]))
-    proposer.add_context(features)
-    proposer.propose(mx.array([5], dtype=mx.uint32), 7)
-    assert proposer.cache[0].offset == 40 and proposer.cache[0].keys.shape[2] == 2 + 16
-
-    def drafted(window):  # 12 context positions: a window of 16 holds them all
+    def drafted(window, positions, count=None):
         draft.config.context_window = window
         p = DFlashProposer(draft)
         p.start(Target(model, draft.config.target_layer_ids))
-        p.add_context(features[:, :12])
-        return p.draft_logits(mx.array([5], dtype=mx.uint32), 7)
+        p.add_context(features[:, :positions], count)
+        return p, p.draft_logits(mx.array([5], dtype=mx.uint32), 7)
 
-    assert mx.allclose(drafted(16), drafted(None), atol=1e-5).item()
+    proposer, windowed = drafted(16, 200)  # 200 > sink + window + slack: the middle is dropped
+    assert proposer.cache[0].position == 200 and proposer.cache[0].bound == 2 + 16  # positions stored
+    slack = draft_module.COMPACT_SLACK
+    try:  # the same window by a mask over all 200 positions (nothing dropped) sees the same
+        draft_module.COMPACT_SLACK = 1000
+        proposer, masked = drafted(16, 200)
+        assert proposer.cache[0].bound == 200
+    finally:
+        draft_module.COMPACT_SLACK = slack
+    assert mx.allclose(windowed, masked, atol=1e-5).item()
+    # 12 context positions: a window of 16 holds them all
+    assert mx.allclose(drafted(16, 12)[1], drafted(None, 12)[1], atol=1e-5).item()
+    # a count still on the device: positions past it are not seen, and the next context lands over them
+    _, on_device = drafted(None, 20, mx.array(12))
+    assert mx.allclose(on_device, drafted(None, 12)[1], atol=1e-5).item()
 
 
 def test_quantized_draft_loads_dequantized_on_the_cpu(target, tmp_path):

@@ -36,7 +36,7 @@ an H200, the chunked form 1.2-1.6 ms).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -166,14 +166,16 @@ def chunk_delta_rule(q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, bet
     return y, (state, k, d, log_G)
 
 
-def state_after(chunk: tuple, n: int) -> mx.array:
-    """The recurrent state after the first ``n`` tokens of a ``chunk_delta_rule`` call."""
+def state_after(chunk: tuple, n: Union[int, mx.array]) -> mx.array:
+    """The recurrent state after the first ``n`` tokens of a ``chunk_delta_rule`` call
+    (``n`` may be a count on the device, at least 1: the tokens past it get weight 0)."""
     state, k, d, log_G = chunk
-    if n == 0:
+    if isinstance(n, int) and n == 0:
         return state
-    last = log_G[..., n - 1 : n]
-    weights = mx.exp(last - log_G[..., :n])[..., None]  # G_n / G_i
-    return mx.exp(last)[..., None] * state + (d[:, :, :n] * weights).swapaxes(-1, -2) @ k[:, :, :n]
+    last = mx.take(log_G, mx.array(n - 1).reshape(1), axis=-1)  # log G_n
+    kept = mx.arange(log_G.shape[-1]) < n
+    weights = mx.where(kept, mx.exp(last - log_G), 0.0)[..., None]  # G_n / G_i for i <= n
+    return mx.exp(last)[..., None] * state + (d * weights).swapaxes(-1, -2) @ k
 
 
 class BlockDeltaMixer(nn.Module):
@@ -230,8 +232,8 @@ class BlockDeltaMixer(nn.Module):
         if self.stepwise:
             y, cache[1], states = stepwise_delta_rule(q, k, v, g, beta, state, save_states=S <= MAX_BLOCK)
 
-            def state_at(n: int) -> mx.array:
-                return states[n - 1]
+            def state_at(n: Union[int, mx.array]) -> mx.array:
+                return mx.take(states, mx.array(n - 1), axis=0)
         else:
             y, cache[1], state_at = self._chunked(q, k, v, g, beta, state)
         if S <= MAX_BLOCK:  # a block: keep what rewinding to any prefix needs
@@ -255,15 +257,16 @@ class BlockDeltaMixer(nn.Module):
         y = mx.concatenate(ys, axis=2) if len(ys) > 1 else ys[0]
         return y.swapaxes(1, 2), state, lambda n: state_after(chunk, n)
 
-    def rewind(self, cache: Any, keep: int) -> None:
+    def rewind(self, cache: Any, keep: Union[int, mx.array]) -> None:
         """Set ``cache`` to its state after the first ``keep`` tokens of the latest call (any
-        prefix of a block; of other calls, none of it)."""
-        if keep == 0 and self._before is not None:
+        prefix of a block; of other calls, none of it). ``keep`` may be a count still on the
+        device (at least 1): nothing here needs its value on the host."""
+        if isinstance(keep, int) and keep == 0 and self._before is not None:
             cache.cache = list(self._before)
         elif self._latest is not None:
             conv_input, state_at = self._latest
             window = self.mixer.conv_kernel_size - 1
-            cache[0] = mx.contiguous(conv_input[:, keep : keep + window])
+            cache[0] = mx.take(conv_input, keep + mx.arange(window), axis=1)
             cache[1] = state_at(keep)
         else:
             raise RuntimeError("a recurrent cache can roll back its latest call, once; part of it only after a block")

@@ -14,3 +14,11 @@ def on_apple_gpu() -> bool:
 def on_cuda() -> bool:
     """NVIDIA GPUs (MLX's CUDA backend): where our own CUDA kernels run (``mx.fast.cuda_kernel``)."""
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def on_gpu() -> bool:
+    """Any GPU: there a small model's cycle costs the host's graph building and kernel
+    launches more than arithmetic, so the engine queues cycles ahead and attention reads
+    fixed-size key buffers (one kernel shape per 256 positions). On the CPU the arithmetic
+    is the cost and both only add work (BENCHMARKS.md, twelfth session)."""
+    return mx.default_device() == mx.gpu

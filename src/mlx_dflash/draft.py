@@ -16,17 +16,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .device import on_apple_gpu
 from .errors import DFlashError
+from .rollback import read_length, reserve
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -225,56 +225,118 @@ class DraftAttention(nn.Module):
         out = out.reshape(B, self.n_heads, N, -1).transpose(0, 2, 1, 3).reshape(B, N, -1)
         return self.o_proj(out)
 
-    def __call__(
-        self,
-        x: mx.array,
-        context: Optional[mx.array],
-        cache: KVCache,
-        mask: Optional[mx.array],
-    ) -> mx.array:
+    def __call__(self, x: mx.array, cache: "DraftContextCache", sliding_window: Optional[int] = None) -> mx.array:
+        """Block queries over the cached context and the block itself (non-causal; causal
+        and windowed in a sliding-window layer)."""
         B, L, _ = x.shape
-        if context is not None and context.shape[1] > 0:
-            ctx_k, ctx_v = cache.update_and_fetch(*self.context_kv(context, cache.offset))
-        elif cache.offset > 0:
-            ctx_k, ctx_v = cache.keys_and_values()
-        else:
-            ctx_k = ctx_v = None
-        start = cache.offset  # the block's first token sits right after the context
+        start = cache.position  # the block's first token sits right after the context
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
         keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=start)
         values = self._heads(self.v_proj(x), self.n_kv_heads)
+        ctx_k, ctx_v, visible = cache.fetch()
         if ctx_k is not None:
             keys = mx.concatenate([ctx_k, keys], axis=2)
             values = mx.concatenate([ctx_v, values], axis=2)
+        mask = block_mask(visible, 0 if ctx_k is None else ctx_k.shape[2], L, start, sliding_window)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class ContextWindowCache:
-    """Draft context K/V keeping the first ``sink`` and the last ``window`` positions.
+def block_mask(visible: Optional[mx.array], n_context: int, block_len: int, start: Union[int, mx.array],
+               sliding_window: Optional[int]) -> Optional[mx.array]:
+    """Which of [context ; block] keys each block query sees ([L, n_context + L]; None: all).
+    A sliding-window layer stores every position (storage index = position) and sees the
+    last ``sliding_window`` positions up to the query's own."""
+    if visible is None and sliding_window is None:
+        return None
+    context = mx.ones((n_context,), dtype=mx.bool_) if visible is None else visible
+    context = mx.broadcast_to(context[None], (block_len, n_context))
+    own = mx.ones((block_len, block_len), dtype=mx.bool_)
+    if sliding_window is not None:
+        q = mx.arange(block_len)[:, None]
+        k = mx.arange(block_len)[None]
+        context = context & ((start + q) - mx.arange(n_context)[None] < sliding_window)
+        own = (k <= q) & (q - k < sliding_window)
+    return mx.concatenate([context, own], axis=1)
 
-    ``offset`` counts every position ever added, so RoPE positions stay absolute; only
-    the middle of a long context is dropped (attention-sink style)."""
 
-    def __init__(self, sink: int, window: int):
+COMPACT_SLACK = 64  # a windowed cache drops its middle once it holds this many positions too many
+
+
+class DraftContextCache:
+    """Committed context K/V of one draft layer.
+
+    With a context window (``config.context_window``: our extension) the draft sees only
+    the first ``sink`` and the last ``window`` positions (attention-sink style), so a draft
+    pass costs the same at any context length; RoPE positions stay absolute. Storage index
+    j holds position j below ``sink`` and j + ``dropped`` from there on.
+
+    The count of new positions may still be on the device (the accept count of a block the
+    host has not read): they are written at the device ``length`` and the next write lands
+    over the rejected tail. ``bound`` is the host's upper bound on ``length``; ``settle``
+    makes both exact again once the host knows the count.
+    """
+
+    def __init__(self, sink: int = 0, window: Optional[int] = None):
         self.sink, self.window = sink, window
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
-        self.offset = 0
+        self.length: Union[int, mx.array] = 0
+        self.bound = 0
+        self.dropped = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.offset += keys.shape[2]
-        if self.keys is not None:
-            keys = mx.concatenate([self.keys, keys], axis=2)
-            values = mx.concatenate([self.values, values], axis=2)
-        if keys.shape[2] > self.sink + self.window:
-            keys, values = (mx.concatenate([x[..., : self.sink, :], x[..., -self.window :, :]], axis=2)
-                            for x in (keys, values))
-        self.keys, self.values = keys, values
-        return keys, values
+    @property
+    def position(self) -> Union[int, mx.array]:
+        """The position of the next context token."""
+        return self.length + self.dropped
 
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        return self.keys, self.values
+    def add(self, keys: mx.array, values: mx.array, count: Union[None, int, mx.array] = None) -> None:
+        """Store the first ``count`` (default: all) of these positions."""
+        n = keys.shape[2]
+        self.keys, self.values = reserve(self.keys, self.values, self.bound, keys, values)
+        if isinstance(self.length, int) and not isinstance(count, mx.array):
+            count = n if count is None else count
+            self.keys[..., self.length : self.length + count, :] = keys[..., :count, :]
+            self.values[..., self.length : self.length + count, :] = values[..., :count, :]
+            self.settle(self.position + count)
+        else:
+            at = mx.array(self.length).reshape(1)
+            self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
+            self.values = mx.slice_update(self.values, values, at, axes=(2,))
+            self.length = self.length + (n if count is None else count)
+            self.bound += n
+
+    def settle(self, positions: int) -> None:
+        """The host knows the context now holds ``positions`` positions; drop the middle
+        beyond the window from storage when it has grown ``COMPACT_SLACK`` past it."""
+        self.length = self.bound = positions - self.dropped
+        if self.window is None or self.length <= self.sink + self.window + COMPACT_SLACK:
+            return
+        cut = self.length - self.sink - self.window
+        kept = [mx.concatenate([x[..., : self.sink, :], x[..., self.sink + cut : self.length, :]], axis=2)
+                for x in (self.keys, self.values)]
+        self.keys, self.values = reserve(None, None, 0, *kept)
+        self.dropped += cut
+        self.length = self.bound = self.length - cut
+        self.keys[..., : self.length, :] = kept[0]
+        self.values[..., : self.length, :] = kept[1]
+
+    def fetch(self) -> tuple[Optional[mx.array], Optional[mx.array], Optional[mx.array]]:
+        """(keys, values, which of them to see) of the stored context (all None when empty). On
+        GPUs the whole buffer is read, masked, as a verify reads the target's (``rollback.read_length``):
+        a key length that changes every cycle costs new kernels on MLX's CUDA backend."""
+        if self.bound == 0:
+            return None, None, None
+        size = read_length(self.bound)
+        keys, values = self.keys[..., :size, :], self.values[..., :size, :]
+        exact = isinstance(self.length, int)  # (a length on the device is never compared on the host)
+        if exact and size == self.length and (self.window is None or self.length <= self.sink + self.window):
+            return keys, values, None  # all of them: nothing to mask
+        j = mx.arange(size)
+        visible = j < self.length
+        if self.window is not None:
+            visible = visible & ((j < self.sink) | (j >= self.length - self.window))
+        return keys, values, visible
 
     @property
     def state(self) -> tuple:
@@ -302,21 +364,15 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, context, cache, mask, anchors=None):
-        """Decode (``cache`` given) or training (``anchors`` given, many blocks at once)."""
-        normed = self.input_layernorm(x)
-        if anchors is None:
-            h = x + self.self_attn(normed, context, cache, mask)
-        else:
-            h = x + self.self_attn.attend_blocks(normed, context, anchors, mask)
+    def __call__(self, x: mx.array, cache: DraftContextCache, sliding_window: Optional[int] = None) -> mx.array:
+        """Decode: one block over the cached context."""
+        h = x + self.self_attn(self.input_layernorm(x), cache, sliding_window)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-
-def sliding_block_mask(block_len: int, context_len: int, window: int) -> mx.array:
-    """Causal, windowed mask for block queries over [context ; block] keys."""
-    q_pos = mx.arange(context_len, context_len + block_len)[:, None]
-    k_pos = mx.arange(context_len + block_len)[None]
-    return (k_pos <= q_pos) & (q_pos - k_pos < window)
+    def forward_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array) -> mx.array:
+        """Training: many blocks at once (``DraftAttention.attend_blocks``)."""
+        h = x + self.self_attn.attend_blocks(self.input_layernorm(x), context, anchors, sees_context)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class DFlashDraft(nn.Module):
@@ -336,34 +392,38 @@ class DFlashDraft(nn.Module):
     def block_size(self) -> int:
         return self.config.block_size
 
-    def make_cache(self) -> list:
+    def make_cache(self) -> list[DraftContextCache]:
         """Per layer: all context, or a sink + sliding window of it (``config.context_window``)
         so that a draft pass costs the same at any context length. Sliding-window layers of
         published drafts keep their own window (their mask counts every position)."""
         window, sink = self.config.context_window, self.config.context_sink
-        return [ContextWindowCache(sink, window) if window and not self.config.is_sliding(i) else KVCache()
+        return [DraftContextCache(sink, window) if window and not self.config.is_sliding(i) else DraftContextCache()
                 for i in range(len(self.layers))]
 
     def project_context(self, tapped: mx.array) -> mx.array:
         """Context features C = hidden_norm(fc(concat of tapped target hidden states))."""
         return self.hidden_norm(self.fc(tapped))
 
+    def store_context(self, context: mx.array, cache: list[DraftContextCache],
+                      count: Union[None, int, mx.array] = None) -> None:
+        """Append projected context features (the first ``count`` of them: committed tokens
+        only) to every layer's cache, through that layer's own k/v projections."""
+        for layer, layer_cache in zip(self.layers, cache):
+            layer_cache.add(*layer.self_attn.context_kv(context, layer_cache.position), count)
+
     def __call__(
         self,
         block_embeddings: mx.array,
         new_context: Optional[mx.array],
-        cache: list[KVCache],
+        cache: list[DraftContextCache],
     ) -> mx.array:
         """Run one block. ``new_context`` holds projected features of tokens committed
-        since the last call; they are appended to ``cache`` (committed context only)."""
+        since the last call; they are stored first (committed context only)."""
+        if new_context is not None and new_context.shape[1] > 0:
+            self.store_context(new_context, cache)
         h = block_embeddings
-        block_len = h.shape[1]
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            mask = None  # non-causal: every block query sees all context and block keys
-            if self.config.is_sliding(i):
-                n_new = 0 if new_context is None else new_context.shape[1]
-                mask = sliding_block_mask(block_len, layer_cache.offset + n_new, self.config.sliding_window)
-            h = layer(h, new_context, layer_cache, mask)
+            h = layer(h, layer_cache, self.config.sliding_window if self.config.is_sliding(i) else None)
         return self.norm(h)
 
     def forward_blocks(self, block_embeddings: mx.array, context: mx.array, anchors: mx.array,
@@ -373,7 +433,7 @@ class DFlashDraft(nn.Module):
             raise DFlashError("training drafts with sliding-window layers is not supported")
         h = block_embeddings
         for layer in self.layers:
-            h = layer(h, context, None, sees_context, anchors=anchors)
+            h = layer.forward_blocks(h, context, anchors, sees_context)
         return self.norm(h)
 
 

@@ -4,8 +4,12 @@ Read ``decode_cycles`` top to bottom: it is the whole algorithm. Everything
 else here turns its token ids into text, stop handling and statistics.
 
 One device-to-host sync per cycle: the target's choices (which also give the
-accept count) are read once; the next cycle is queued with ``mx.async_eval``
-before the caller detokenizes the current one.
+accept count) are read once. When every cache of the target can be cut by a count
+still on the device (``Target.rolls_back_on_device``: KV and Gated DeltaNet caches),
+greedy decoding rolls back, extends the draft's context and picks the next block's
+first token on the device, and queues the next cycle before the host reads this
+one's count: the host builds a cycle's graph while the device runs the previous one,
+as mlx-lm's own decode loop does for single tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Iterator, Optional, Protocol, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from .device import on_gpu
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .policy import BlockPolicy
@@ -35,8 +40,12 @@ class Proposer(Protocol):
     def start(self, target: Target) -> None:
         """Begin a new sequence."""
 
-    def add_context(self, features: mx.array) -> None:
-        """Tapped target features [1, n, K*H] of n newly committed tokens."""
+    def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
+        """Tapped target features [1, n, K*H] of newly verified tokens, of which the first
+        ``kept`` are committed (None: all n; may be a count still on the device)."""
+
+    def settle(self, positions: int) -> None:
+        """The host has read the counts: ``positions`` committed tokens have context now."""
 
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Draft ``num_tokens`` tokens following ``first_token`` (shape [1])."""
@@ -56,32 +65,40 @@ class DFlashProposer:
     def start(self, target: Target) -> None:
         self.target = target
         self.cache = self.draft.make_cache()
-        self.pending: list[mx.array] = []  # projected context, not yet in the draft's cache
+        self.pending: list[tuple[mx.array, Optional[mx.array]]] = []  # projected context and its count, not yet stored
         self.single: list[mx.array] = []  # tapped features of single tokens (plain steps), unprojected
         # greedy drafts pick among the draft vocabulary only (when it has one): a smaller head
         self.vocab_head = target.head_rows(self.draft_vocab) if self.draft_vocab is not None else None
 
-    def add_context(self, features: mx.array) -> None:
+    def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
+        if isinstance(kept, int):
+            features, kept = features[:, :kept], None
         # Plain steps add one token each: projected together at the next draft, not one by
         # one (a few ops fewer per step, where a small model on a GPU is launch-bound).
-        if features.shape[1] == 1:
+        if features.shape[1] == 1 and kept is None:
             self.single.append(features)
             return
         self._project_singles()
-        self.pending.append(self.draft.project_context(features))
+        self.pending.append((self.draft.project_context(features), kept))
+
+    def settle(self, positions: int) -> None:
+        if not self.pending and not self.single:  # (else the cache does not hold them all yet)
+            for layer_cache in self.cache:
+                layer_cache.settle(positions)
 
     def _project_singles(self) -> None:
         if self.single:
-            self.pending.append(self.draft.project_context(mx.concatenate(self.single, axis=1)))
+            self.pending.append((self.draft.project_context(mx.concatenate(self.single, axis=1)), None))
             self.single = []
 
     def _slot_hidden(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Final hidden states [1, num_tokens, H] of the block slots after ``first_token``."""
         block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
         self._project_singles()
-        new_context = mx.concatenate(self.pending, axis=1) if self.pending else None
+        for context, kept in self.pending:
+            self.draft.store_context(context, self.cache, kept)
         self.pending = []
-        return self.draft(self.target.embed(block[None]), new_context, self.cache)[:, 1:]
+        return self.draft(self.target.embed(block[None]), None, self.cache)[:, 1:]
 
     def draft_logits(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Logits [num_tokens, V] over the whole vocabulary (one draft pass): what sampling needs."""
@@ -121,11 +138,14 @@ def decode_cycles(
     block_size: int,
     sampling: Optional[SamplingParams] = None,
     policy: Optional[BlockPolicy] = None,
+    queue_ahead: Optional[bool] = None,
 ) -> Iterator[Cycle]:
     """DFlash decoding; yields committed tokens cycle by cycle, at most ``max_tokens``.
 
     ``sampling=None`` is plain greedy; otherwise see ``sampling.py`` (lossless sampling).
     ``policy`` picks each cycle's block size (up to ``block_size``) from measured speed.
+    ``queue_ahead``: queue each greedy block before reading the previous one's accept count
+    (where the target allows it); None: on GPUs, where the host's work is a cycle's cost.
     """
     cache = target.make_cache()
     proposer.start(target)
@@ -179,10 +199,14 @@ def decode_cycles(
             return min(block_size, wanted), False
         return policy.choose(limit=wanted), policy.wants_forecast
 
-    # Plain decoding (block size 1) needs no accept count to pick its next input, so, like
-    # mlx-lm's generate_step, its next step is queued before the host waits for this one.
-    # (Not with logits processors: they read the committed history on the host.)
+    # Plain decoding (block size 1) needs no accept count to pick its next input; nor do blocks
+    # when every cache of the target rolls back by a count still on the device (greedy only:
+    # sampling reads its random draws' outcome on the host). Then, like mlx-lm's generate_step,
+    # the next cycle is queued before the host waits for this one: its graph is built while
+    # the device runs this one. (Not with logits processors: they read the history on the host.
+    # Blocks not on the CPU: there the arithmetic is the cost, and queued blocks measured slower.)
     can_queue_ahead = not (sampling and sampling.logits_processors)
+    queue_blocks = sampling is None and target.rolls_back_on_device and (on_gpu() if queue_ahead is None else queue_ahead)
     emitted, bonus_id = 1, bonus.item()
     yield Cycle([bonus_id], None)
     # Each cycle is timed from the end of the previous one, a window that holds one launch: its
@@ -194,11 +218,19 @@ def decode_cycles(
         tokens, accepted, features, guess = pending
         block_len = tokens.size
         queued = choice = None
-        if block_len == 1:  # nothing to reject: its context is known before the sync
-            proposer.add_context(features)
-            if can_queue_ahead and emitted + 1 < max_tokens:
+        settled_on_device = block_len == 1 or queue_blocks
+        if settled_on_device:  # roll back, add context and pick the next first token on the device
+            if accepted is None:  # a plain step keeps its token
+                proposer.add_context(features)
+                bonus = tokens
+            else:
+                a_on_device = accepted[0]
+                target.rollback(cache, block_len - 1 - a_on_device)  # (the bonus is not cached)
+                proposer.add_context(features, a_on_device + 1)
+                bonus = tokens[accepted]
+            if (queue_blocks or can_queue_ahead) and emitted + 1 < max_tokens:
                 choice = next_block(uncounted=1)
-                queued = launch(tokens, *choice) if choice[0] == 1 else None
+                queued = launch(bonus, *choice) if queue_blocks or choice[0] == 1 else None
         a = 0 if accepted is None else accepted.item()  # the cycle's single device-to-host sync
         whole = a + 1 == block_len  # (a plain step's sync is the tolist: its tokens are all kept)
         committed = (tokens if whole else tokens[: a + 1]).tolist()  # a accepted drafts, then the bonus
@@ -211,17 +243,25 @@ def decode_cycles(
                 policy.observe(committed[-1:])
             else:
                 policy.observe(committed)
-        target.rollback(cache, block_len - (a + 1))  # drop rejected drafts (the bonus is not cached)
-        if block_len > 1:
-            proposer.add_context(features[:, : a + 1])
-        emitted += a + 1
+        if not settled_on_device:
+            target.rollback(cache, block_len - (a + 1))  # drop rejected drafts (the bonus is not cached)
+            proposer.add_context(features, a + 1)
+            bonus = tokens[a : a + 1]
+        committed = committed[: max_tokens - emitted]  # (a block queued ahead may pass the end)
         history += [bonus_id] + committed[:-1]  # history: every token before the next block's first
-        bonus, bonus_id = tokens if block_len == 1 else tokens[a : a + 1], committed[-1]
-        if queued is not None:
+        emitted += len(committed)
+        bonus_id = committed[-1]
+        if queue_blocks:  # the counts are read: attention and the draft look no further than needed
+            in_context = prompt.size + emitted - 1  # every committed token but the latest bonus
+            target.settle(cache, in_context + (queued[0].size if queued is not None else 0))
+            proposer.settle(in_context)
+        if emitted >= max_tokens:
+            pending = None
+        elif queued is not None:
             pending = queued
         else:
-            pending = launch(bonus, *(choice or next_block())) if emitted < max_tokens else None
-        yield Cycle(committed, a + 1)
+            pending = launch(bonus, *(choice or next_block()))
+        yield Cycle(committed, min(a + 1, len(committed)))
 
 
 # ---------------------------------------------------------------------------
@@ -292,6 +332,7 @@ def stream_generate(
     stop: Optional[Sequence[str]] = None,
     sampling: Optional[SamplingParams] = None,
     adaptive: Union[bool, BlockPolicy] = False,
+    queue_ahead: Optional[bool] = None,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
@@ -303,6 +344,7 @@ def stream_generate(
     sampler: timing-dependent blocks would consume random draws differently, and the
     same seed must give the same text. A ``BlockPolicy`` instead of True keeps the costs it
     measured for the next call (a server's or a benchmark's many generations).
+    ``queue_ahead``: see ``decode_cycles`` (default: on GPUs).
     """
     target, proposer = make_proposer(model, draft)
     block_size = block_size or proposer.block_size
@@ -330,7 +372,7 @@ def stream_generate(
         if policy.max_block != block_size:
             raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {block_size}")
         policy.start_text()
-    cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy)
+    cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, queue_ahead)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:
             prefill_s = time.perf_counter() - tic

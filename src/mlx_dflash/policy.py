@@ -1,7 +1,8 @@
 """Adaptive block size: never much slower than plain decoding when the draft is poor.
 
 Each cycle the engine asks for a block size and reports back what it got and how
-long the cycle took. The policy estimates, per draft slot k, the chance that slot k
+long the cycle took (when it queues cycles ahead, it asks for the next size before it
+reports the current cycle: the policy then decides on what it knew one cycle earlier). The policy estimates, per draft slot k, the chance that slot k
 is accepted given that slots 1..k-1 were, and the measured seconds per cycle of
 each candidate size (1, 2, 4, 8, ... up to the draft's block); it picks the size with
 the most expected tokens per second, E[min(L, b)] / cost(b). Block size 1 is plain
@@ -63,7 +64,8 @@ class BlockPolicy:
             self.probe_every = PROBE_START
         self.slot_checked = [0] * self.max_block  # slot k: cycles whose slots 1..k-1 were all accepted
         self.slot_accepted = [0] * self.max_block
-        self.cycles = 0
+        self.cycles = 0  # cycles recorded
+        self.chosen = 0  # sizes chosen: one ahead of ``cycles`` when the engine queues the next cycle early
         self.since_probe = 0
         self.probing: int | None = None  # the size being probed, one above the best
         self.forecasting = False  # a forecast was asked for and is not settled yet
@@ -100,6 +102,7 @@ class BlockPolicy:
         Sets ``wants_forecast`` when the plain step it picks should carry a forecast."""
         self.wants_forecast = False
         size = self._choose(limit)
+        self.chosen += 1
         if size > 1 and self.forecasting:  # blocks measure the acceptance themselves
             self._settle_forecast()
         return size
@@ -109,10 +112,10 @@ class BlockPolicy:
         largest = sizes[-1]
         if largest == 1 or (self.forecasting and self.guess_checked == 0):
             return 1  # (a forecast's first slot decides whether blocks are worth a try)
-        if self.cycles == 0 and self.plain_won and largest in self.seconds:
+        if self.chosen == 0 and self.plain_won and largest in self.seconds:
             return self._forecast(probe=False)  # a new text after a poor one: its acceptance, cheaply
         warmup = 1 if largest in self.seconds else WARMUP_CYCLES  # the first cycle of a size is not timed
-        if self.cycles < warmup or not any(size > 1 for size in self.seconds):
+        if self.chosen < warmup or not any(size > 1 for size in self.seconds):
             return largest  # warm-up: the largest block that fits, until one drafting size is timed
         if 1 not in self.seconds:
             return 1

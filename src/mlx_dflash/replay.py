@@ -35,15 +35,22 @@ class ReplayProposer:
         self.layer_ids: list[int] = cost_of.layer_ids if cost_of else []  # plain replay needs no features
 
     def start(self, target: Target) -> None:
-        self.position = 0  # committed tokens so far
+        self.position: Union[int, mx.array] = 0  # committed tokens so far (on the device after a count it has not read)
         self.cycle = 0
+        # the reference on the device, padded so that a block past its end reads zeros
+        self.tokens = mx.array(self.reference + [0] * (self.block_size + 1), dtype=mx.uint32)
         if self.cost_of:
             self.cost_of.start(target)
 
-    def add_context(self, features: mx.array) -> None:
-        self.position += features.shape[1]
+    def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
+        self.position = self.position + (features.shape[1] if kept is None else kept)
         if self.cost_of:
-            self.cost_of.add_context(features)
+            self.cost_of.add_context(features, kept)
+
+    def settle(self, positions: int) -> None:
+        self.position = positions
+        if self.cost_of:
+            self.cost_of.settle(positions)
 
     def correct_prefix(self, cycle: int) -> Optional[int]:
         if callable(self.schedule):
@@ -52,14 +59,13 @@ class ReplayProposer:
 
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
         # block slot k (1..) predicts the token at position `position + k`
-        start = self.position + 1
-        tokens = self.reference[start : start + num_tokens]
-        tokens += [0] * (num_tokens - len(tokens))
+        slots = mx.arange(num_tokens)
+        at = mx.minimum(self.position + 1 + slots, self.tokens.size - 1)
+        proposal = self.tokens[at]
         wrong_at = self.correct_prefix(self.cycle)
         self.cycle += 1
         if wrong_at is not None and wrong_at < num_tokens:
-            tokens[wrong_at] = (tokens[wrong_at] + 1) % self.vocab_size
-        proposal = mx.array(tokens, dtype=mx.uint32)
+            proposal = mx.where(slots == wrong_at, (proposal + 1) % self.vocab_size, proposal)
         if self.cost_of:  # computed (it is an input), then ignored
             proposal = mx.where(mx.array(True), proposal, self.cost_of.propose(first_token, num_tokens))
         return proposal

@@ -18,13 +18,20 @@ may stay. What "removing the tail" means depends on how a cache stores history:
   the accepted tokens were replayed through mlx-lm's own mixer instead: on the H200 at
   Qwen3.5-9B shape that replay cost 34.5 ms per cycle on top of a 58.3 ms verify, whose
   recurrence mlx-lm runs token by token off Apple GPUs (BENCHMARKS.md, "Hybrid rollback").
+
+A rollback by a count the host has not read yet (the accept count still on the device)
+lets the engine queue the next cycle before it waits for this one. ``DeviceKVCache``
+and ``BlockDeltaMixer.rewind`` take such a count; the others need it on the host.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Union
 
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, create_attention_mask
+
+from .device import on_gpu
 
 TRIMMABLE = (KVCache, QuantizedKVCache)
 
@@ -35,6 +42,108 @@ def is_recurrent(cache: Any) -> bool:
 
 def unsupported_cache(cache: Any) -> bool:
     return not isinstance(cache, (*TRIMMABLE, RotatingKVCache, ArraysCache))
+
+
+# On GPUs, blocks of up to this many tokens (verifies) read whole key buffers, masked, instead
+# of the keys in use: MLX's CUDA backend builds kernels per shape, and a cache whose length
+# changed every cycle met a new shape each verify (H200: 67 ms of host time per 30-layer pass at
+# new lengths, 1.5 ms at a fixed one; scripts/attention_shapes.py). On the CPU the masked keys'
+# exponentials cost more than that saves. Prompts keep mlx-lm's exact read.
+PADDED_BLOCK = 64
+PAD_READS: Optional[bool] = None  # None: on GPUs (tests set it to check both reads on the CPU)
+
+
+def padded(length: int) -> int:
+    """``length`` rounded up to mlx-lm's cache step (256): the buffer sizes ``reserve`` makes."""
+    return -(-length // KVCache.step) * KVCache.step
+
+
+def read_length(length: int) -> int:
+    """How many key positions a block reads from a buffer holding ``length`` in use."""
+    pad = on_gpu() if PAD_READS is None else PAD_READS
+    return padded(length) if pad else length
+
+
+def reserve(old_keys: Optional[mx.array], old_values: Optional[mx.array], used: int, keys: mx.array,
+            values: mx.array) -> tuple[mx.array, mx.array]:
+    """Key/value buffers with room for ``used`` positions and these new ones: the old ones,
+    or copies grown in mlx-lm's steps of 256 positions (a buffer written at a device offset
+    cannot be cut to size on the way)."""
+    needed = used + keys.shape[2]
+    if old_keys is not None and needed <= old_keys.shape[2]:
+        return old_keys, old_values
+    size = padded(needed)
+    grown = [mx.zeros((*x.shape[:2], size, x.shape[3]), x.dtype) for x in (keys, values)]
+    if old_keys is not None:
+        grown = [mx.concatenate([old[..., :used, :], new[..., used:, :]], axis=2)
+                 for old, new in zip((old_keys, old_values), grown)]
+    return grown[0], grown[1]
+
+
+class DeviceKVCache(KVCache):
+    """A ``KVCache`` whose length may be a device scalar, so that it can be cut by an accept
+    count the host has not read: writes land at the device offset (over a rejected tail),
+    RoPE reads that offset, and a mask hides the positions past it.
+
+    ``bound`` is what the host knows: at most that many positions are in use. Keys are
+    fetched up to it, or for a block the whole buffer (``PADDED_BLOCK``); while it equals the
+    offset (an int) single tokens and prompts read exactly what mlx-lm's ``KVCache`` reads,
+    with its masks.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset: Union[int, mx.array] = 0
+        self.bound = 0
+
+    def _fetched(self, n: int) -> int:
+        """How many key positions a call of ``n`` tokens reads."""
+        return read_length(self.bound + n) if 1 < n <= PADDED_BLOCK else self.bound + n
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys, self.values = reserve(self.keys, self.values, self.bound, keys, values)
+        n = keys.shape[2]
+        fetched = self._fetched(n)
+        if isinstance(self.offset, int):
+            self.keys[..., self.offset : self.offset + n, :] = keys
+            self.values[..., self.offset : self.offset + n, :] = values
+        else:
+            at = self.offset.reshape(1)
+            self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
+            self.values = mx.slice_update(self.values, values, at, axes=(2,))
+        self.offset = self.offset + n
+        self.bound += n
+        return self.keys[..., :fetched, :], self.values[..., :fetched, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        fetched = self._fetched(N)
+        if isinstance(self.offset, int) and self.offset == self.bound and fetched == self.bound + N:
+            return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+        if window_size is not None:
+            raise ValueError("a sliding window needs a cache of its own (RotatingKVCache)")
+        # query i sits at offset + i and sees the keys up to itself; the rest are a stale tail
+        return mx.arange(fetched)[None] <= (self.offset + mx.arange(N))[:, None]
+
+    def drop(self, num_tokens: Union[int, mx.array]) -> None:
+        """Forget the last ``num_tokens`` positions (an int, or a count still on the device)."""
+        self.offset = self.offset - num_tokens
+        if isinstance(self.offset, int):
+            self.bound = self.offset
+
+    def settle(self, in_use: int) -> None:
+        """The host now knows at most ``in_use`` positions are in use: fetch no more."""
+        self.bound = in_use
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n) if isinstance(self.offset, int) else n
+        self.drop(n)
+        return n
+
+    def keys_and_values(self):
+        return self.keys[..., : self.bound, :], self.values[..., : self.bound, :]
+
+    def size(self) -> int:
+        return self.bound
 
 
 def trim_attention_cache(cache: Any, num_tokens: int) -> None:

@@ -16,16 +16,16 @@ from __future__ import annotations
 import copy
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .delta_rule import BlockDeltaMixer
 from .draft import DFlashDraft
 from .errors import DFlashError
-from .rollback import is_recurrent, trim_attention_cache, unsupported_cache
+from .rollback import DeviceKVCache, is_recurrent, trim_attention_cache, unsupported_cache
 
 # Families tested end to end against mlx-lm greedy (tests/test_families.py). Others fail
 # at load time: a family we have not checked could hide a cache we cannot roll back.
@@ -95,6 +95,9 @@ class Target:
         if odd:
             raise DFlashError(f"{family} uses caches mlx-dflash cannot roll back: {', '.join(odd)}")
         self.recurrent_ids = [i for i, c in enumerate(caches) if is_recurrent(c)]
+        # Every layer can be cut by a count still on the device (plain KV caches and recurrent
+        # layers): the engine then queues a cycle before it reads the previous one's count.
+        self.rolls_back_on_device = all(type(c) is KVCache or is_recurrent(c) for c in caches)
         self.recorder = _Recorder()
         self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
         self._install_taps()
@@ -182,7 +185,10 @@ class Target:
 
     # -- forward and cache ----------------------------------------------
     def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.model)
+        caches = make_prompt_cache(self.model)
+        if self.rolls_back_on_device:
+            caches = [DeviceKVCache() if type(c) is KVCache else c for c in caches]
+        return caches
 
     def __call__(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order)."""
@@ -197,15 +203,25 @@ class Target:
             self.recorder.outputs = {}
         return logits, features
 
-    def rollback(self, cache: list[Any], num_tokens: int) -> None:
-        """Drop the last ``num_tokens`` positions (rejected draft tokens) of the latest call."""
-        if num_tokens == 0:
+    def rollback(self, cache: list[Any], num_tokens: Union[int, mx.array]) -> None:
+        """Drop the last ``num_tokens`` positions (rejected draft tokens) of the latest call;
+        with ``rolls_back_on_device``, ``num_tokens`` may be a count the host has not read."""
+        if isinstance(num_tokens, int) and num_tokens == 0:
             return
         for i, layer_cache in enumerate(cache):
             if i in self._block_mixers:
                 self._block_mixers[i].rewind(layer_cache, keep=self._latest_length - num_tokens)
+            elif isinstance(layer_cache, DeviceKVCache):
+                layer_cache.drop(num_tokens)
             else:
                 trim_attention_cache(layer_cache, num_tokens)
+
+    def settle(self, cache: list[Any], in_use: int) -> None:
+        """The host has read the counts: at most ``in_use`` positions are in use (the
+        committed tokens plus a block queued since), so attention reads no further."""
+        for layer_cache in cache:
+            if isinstance(layer_cache, DeviceKVCache):
+                layer_cache.settle(in_use)
 
 
 def float_dtype(model: nn.Module):
