@@ -1,7 +1,6 @@
 """Where a cycle's wall time goes: the host building and launching graphs, or waiting for the device.
 
-    python scripts/cycle_timeline.py --model smollm2-135m --draft src/mlx_dflash/drafts/smollm2-135m \
-        [--prompt-index 0 1] [--tokens 512] [--block-size 16]
+    python scripts/cycle_timeline.py [--model M] [--draft D] [--prompt-index 0 1] [--tokens 512] [--block-size 16]
 
 Times one generation per prompt with these host phases measured inside it (by wrapping, for
 this script only, the target's forward, the draft's proposal and ``mx.async_eval``): building
@@ -22,11 +21,12 @@ from mlx_dflash import engine, generate
 from mlx_dflash.bench import humaneval_prompts, run_mlx_lm
 from mlx_dflash.data import encode_chat, read_prompts
 from mlx_dflash.draft import load_draft
+from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
 from mlx_dflash.target import Target, float_dtype, load_target
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--model", default="smollm2-135m")
-parser.add_argument("--draft", default="src/mlx_dflash/drafts/smollm2-135m")
+parser.add_argument("--model", default=DEFAULT_MODEL)
+parser.add_argument("--draft", default=None, help="default: the draft shipped for --model")
 parser.add_argument("--prompts", default=None, help="JSONL prompts (default: the bench's HumanEval set)")
 parser.add_argument("--prompt-index", type=int, nargs="+", default=[0])
 parser.add_argument("--tokens", type=int, default=512)
@@ -34,7 +34,7 @@ parser.add_argument("--block-size", type=int, default=None)
 args = parser.parse_args()
 
 model, tokenizer = load_target(args.model)
-draft = load_draft(args.draft, dtype=float_dtype(model))
+draft = load_draft(args.draft or shipped_draft(args.model), dtype=float_dtype(model))
 prompts = [encode_chat(tokenizer, t) for t in (read_prompts(args.prompts) if args.prompts else humaneval_prompts())]
 
 spent: dict[str, float] = defaultdict(float)
