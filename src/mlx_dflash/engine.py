@@ -204,7 +204,7 @@ def decode_cycles(
     # sampling reads its random draws' outcome on the host). Then, like mlx-lm's generate_step,
     # the next cycle is queued before the host waits for this one: its graph is built while
     # the device runs this one. (Not with logits processors: they read the history on the host.
-    # Blocks not on the CPU: there the arithmetic is the cost, and queued blocks measured slower.)
+    # Blocks not on the CPU: there the arithmetic is the cost, and queued blocks measured no faster.)
     can_queue_ahead = not (sampling and sampling.logits_processors)
     queue_blocks = sampling is None and target.rolls_back_on_device and (on_gpu() if queue_ahead is None else queue_ahead)
     emitted, bonus_id = 1, bonus.item()
