@@ -225,30 +225,29 @@ class DraftAttention(nn.Module):
         out = out.reshape(B, self.n_heads, N, -1).transpose(0, 2, 1, 3).reshape(B, N, -1)
         return self.o_proj(out)
 
-    def __call__(self, x: mx.array, cache: "DraftContextCache", sliding_window: Optional[int] = None) -> mx.array:
-        """Block queries over the cached context and the block itself (non-causal; causal
-        and windowed in a sliding-window layer)."""
+    def __call__(self, x: mx.array, cache: "DraftContextCache", mask: Optional[mx.array]) -> mx.array:
+        """Block queries over the cached context and the block itself; ``mask``: ``block_mask``."""
         B, L, _ = x.shape
         start = cache.position  # the block's first token sits right after the context
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
         keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=start)
         values = self._heads(self.v_proj(x), self.n_kv_heads)
-        ctx_k, ctx_v, visible = cache.fetch()
+        ctx_k, ctx_v = cache.fetch()
         if ctx_k is not None:
             keys = mx.concatenate([ctx_k, keys], axis=2)
             values = mx.concatenate([ctx_v, values], axis=2)
-        mask = block_mask(visible, 0 if ctx_k is None else ctx_k.shape[2], L, start, sliding_window)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def block_mask(visible: Optional[mx.array], n_context: int, block_len: int, start: Union[int, mx.array],
-               sliding_window: Optional[int]) -> Optional[mx.array]:
-    """Which of [context ; block] keys each block query sees ([L, n_context + L]; None: all).
-    A sliding-window layer stores every position (storage index = position) and sees the
-    last ``sliding_window`` positions up to the query's own."""
+def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optional[int]) -> Optional[mx.array]:
+    """Which of [context ; block] keys each block query sees ([L, context read + L]; None: all):
+    non-causal, or causal and windowed in a sliding-window layer, which stores every position
+    (storage index = position) and sees the last ``sliding_window`` positions up to its own."""
+    visible = cache.visible()
     if visible is None and sliding_window is None:
         return None
+    n_context, start = cache.read_size(), cache.position
     context = mx.ones((n_context,), dtype=mx.bool_) if visible is None else visible
     context = mx.broadcast_to(context[None], (block_len, n_context))
     own = mx.ones((block_len, block_len), dtype=mx.bool_)
@@ -321,22 +320,30 @@ class DraftContextCache:
         self.keys[..., : self.length, :] = kept[0]
         self.values[..., : self.length, :] = kept[1]
 
-    def fetch(self) -> tuple[Optional[mx.array], Optional[mx.array], Optional[mx.array]]:
-        """(keys, values, which of them to see) of the stored context (all None when empty). On
-        GPUs the whole buffer is read, masked, as a verify reads the target's (``rollback.read_length``):
-        a key length that changes every cycle costs new kernels on MLX's CUDA backend."""
-        if self.bound == 0:
-            return None, None, None
-        size = read_length(self.bound)
-        keys, values = self.keys[..., :size, :], self.values[..., :size, :]
+    def read_size(self) -> int:
+        """How many stored positions a draft pass reads. On GPUs the whole buffer, masked, as a
+        verify reads the target's (``rollback.read_length``): a key length that changes every
+        cycle costs new kernels on MLX's CUDA backend."""
+        return read_length(self.bound) if self.bound else 0
+
+    def fetch(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+        """(keys, values) of the stored context that a draft pass reads (None when empty)."""
+        size = self.read_size()
+        if size == 0:
+            return None, None
+        return self.keys[..., :size, :], self.values[..., :size, :]
+
+    def visible(self) -> Optional[mx.array]:
+        """Which of the positions read are context to see (None: all)."""
+        size = self.read_size()
         exact = isinstance(self.length, int)  # (a length on the device is never compared on the host)
         if exact and size == self.length and (self.window is None or self.length <= self.sink + self.window):
-            return keys, values, None  # all of them: nothing to mask
+            return None
         j = mx.arange(size)
         visible = j < self.length
         if self.window is not None:
             visible = visible & ((j < self.sink) | (j >= self.length - self.window))
-        return keys, values, visible
+        return visible
 
     @property
     def state(self) -> tuple:
@@ -364,9 +371,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: DraftContextCache, sliding_window: Optional[int] = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: DraftContextCache, mask: Optional[mx.array]) -> mx.array:
         """Decode: one block over the cached context."""
-        h = x + self.self_attn(self.input_layernorm(x), cache, sliding_window)
+        h = x + self.self_attn(self.input_layernorm(x), cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array) -> mx.array:
@@ -422,8 +429,12 @@ class DFlashDraft(nn.Module):
         if new_context is not None and new_context.shape[1] > 0:
             self.store_context(new_context, cache)
         h = block_embeddings
+        masks: dict[Optional[int], Optional[mx.array]] = {}  # per kind of layer: their caches move in step
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            h = layer(h, layer_cache, self.config.sliding_window if self.config.is_sliding(i) else None)
+            window = self.config.sliding_window if self.config.is_sliding(i) else None
+            if window not in masks:
+                masks[window] = block_mask(layer_cache, h.shape[1], window)
+            h = layer(h, layer_cache, masks[window])
         return self.norm(h)
 
     def forward_blocks(self, block_embeddings: mx.array, context: mx.array, anchors: mx.array,

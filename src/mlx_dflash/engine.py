@@ -191,6 +191,14 @@ def decode_cycles(
         mx.async_eval(tokens, features, *(x for x in (accepted, guess) if x is not None))
         return tokens, accepted, features, guess
 
+    def keep_prefix(tokens: mx.array, features: mx.array, a: Union[int, mx.array]) -> mx.array:
+        """A verified block with ``a`` drafts accepted (read, or still on the device): drop
+        the rejected drafts from the caches (the bonus is not cached), add the kept tokens'
+        context; the next block's first token (the bonus, [1])."""
+        target.rollback(cache, tokens.size - 1 - a)
+        proposer.add_context(features, a + 1)
+        return tokens[a : a + 1] if isinstance(a, int) else tokens[a.reshape(1)]
+
     def next_block(uncounted: int = 0) -> tuple[int, bool]:
         """The next block's size and whether it carries a forecast; ``uncounted``: tokens of
         the current cycle not yet in ``emitted``."""
@@ -224,10 +232,7 @@ def decode_cycles(
                 proposer.add_context(features)
                 bonus = tokens
             else:
-                a_on_device = accepted[0]
-                target.rollback(cache, block_len - 1 - a_on_device)  # (the bonus is not cached)
-                proposer.add_context(features, a_on_device + 1)
-                bonus = tokens[accepted]
+                bonus = keep_prefix(tokens, features, accepted[0])
             if (queue_blocks or can_queue_ahead) and emitted + 1 < max_tokens:
                 choice = next_block(uncounted=1)
                 queued = launch(bonus, *choice) if queue_blocks or choice[0] == 1 else None
@@ -244,9 +249,7 @@ def decode_cycles(
             else:
                 policy.observe(committed)
         if not settled_on_device:
-            target.rollback(cache, block_len - (a + 1))  # drop rejected drafts (the bonus is not cached)
-            proposer.add_context(features, a + 1)
-            bonus = tokens[a : a + 1]
+            bonus = keep_prefix(tokens, features, a)
         committed = committed[: max_tokens - emitted]  # (a block queued ahead may pass the end)
         history += [bonus_id] + committed[:-1]  # history: every token before the next block's first
         emitted += len(committed)

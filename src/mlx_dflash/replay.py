@@ -37,8 +37,8 @@ class ReplayProposer:
     def start(self, target: Target) -> None:
         self.position: Union[int, mx.array] = 0  # committed tokens so far (on the device after a count it has not read)
         self.cycle = 0
-        # the reference on the device, padded so that a block past its end reads zeros
-        self.tokens = mx.array(self.reference + [0] * (self.block_size + 1), dtype=mx.uint32)
+        # the reference on the device and a 0 that every slot past its end reads (``propose``)
+        self.tokens = mx.array(self.reference + [0], dtype=mx.uint32)
         if self.cost_of:
             self.cost_of.start(target)
 

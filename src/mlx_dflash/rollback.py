@@ -146,8 +146,12 @@ class DeviceKVCache(KVCache):
         return self.bound
 
 
-def trim_attention_cache(cache: Any, num_tokens: int) -> None:
-    """Drop the last ``num_tokens`` positions of a key/value cache."""
+def trim_attention_cache(cache: Any, num_tokens: Union[int, mx.array]) -> None:
+    """Drop the last ``num_tokens`` positions of a key/value cache (of a ``DeviceKVCache``
+    also by a count still on the device)."""
+    if isinstance(cache, DeviceKVCache):
+        cache.drop(num_tokens)
+        return
     if isinstance(cache, RotatingKVCache):
         keys, values, offset, keep, max_size, idx = cache.state
         if idx != keys.shape[2]:

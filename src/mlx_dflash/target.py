@@ -211,8 +211,6 @@ class Target:
         for i, layer_cache in enumerate(cache):
             if i in self._block_mixers:
                 self._block_mixers[i].rewind(layer_cache, keep=self._latest_length - num_tokens)
-            elif isinstance(layer_cache, DeviceKVCache):
-                layer_cache.drop(num_tokens)
             else:
                 trim_attention_cache(layer_cache, num_tokens)
 
