@@ -8,6 +8,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from tiny_models import MASK_ID, MORE_FAMILIES, VOCAB_SIZE, greedy_reference, load_tiny, make_tiny_target, tiny_pair
 
 from mlx_dflash import create_random_draft, generate
+from mlx_dflash import target as target_module
 from mlx_dflash.draft import quantize_draft
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.replay import ReplayProposer
@@ -59,11 +60,13 @@ def test_llama_block_size_10(tiny_dir):
 def test_queued_cycles_equal_greedy(tiny_dir, family, monkeypatch):
     """What GPUs run, here on the CPU: each block queued before the previous accept count is
     read (rollback, draft context and next first token from the count on the device), keys read
-    from whole buffers, a draft context window cut by device counts; tokens equal mlx-lm greedy
+    from whole buffers, blocks through a compiled forward (targets of only KV caches), a draft
+    context window cut by device counts; tokens equal mlx-lm greedy
     with a random draft, planted mistakes, and the adaptive policy's mix of sizes."""
     from mlx_dflash import rollback
 
     monkeypatch.setattr(rollback, "PAD_READS", True)
+    monkeypatch.setattr(target_module, "COMPILE_BLOCKS", True)
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / f"queued-{family}", family, "def fib(n):\n    return",
                                                     3 * MAX_TOKENS)
     assert Target(model, [1]).rolls_back_on_device
@@ -168,6 +171,59 @@ def test_rollback_parity(tiny_dir, kind, count_on_device, keep):
     nxt = mx.array([[42, 43, 44]])
     gap = mx.abs(target(nxt, rolled)[0] - target(nxt, direct)[0]).max().item()
     assert gap <= {"QuantizedKVCache": 2e-2, "ArraysCache": 1e-3}.get(kind, 1e-4), gap
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_compiled_blocks_equal_eager_ones(tiny_dir, family, monkeypatch):
+    """A block through the compiled forward (whole buffers in and out) gives the eager
+    forward's logits, features and caches, also after a rollback by a count on the device
+    and across a buffer's growth (prompt 250 + blocks: past 256 positions)."""
+    model, _ = load_tiny(make_tiny_target(tiny_dir / f"compiled-{family}", family))
+    target = Target(model, [0, 1])
+    prompt = mx.array([[(7 * i) % 250 for i in range(250)]])
+    blocks = [mx.array([[(11 * i + j) % 250 for i in range(16)]]) for j in range(3)]
+    caches = {}
+    for compiled in (True, False):
+        monkeypatch.setattr(target_module, "COMPILE_BLOCKS", compiled)
+        cache = target.make_cache()
+        target(prompt, cache)
+        outputs = []
+        for block in blocks:
+            outputs.append(target(block, cache))
+            target.rollback(cache, mx.array(16 - 5))
+            target.settle(cache, cache[0].bound - 16 + 5)
+        caches[compiled] = (outputs, cache)
+    (compiled_out, compiled_cache), (eager_out, eager_cache) = caches[True], caches[False]
+    assert target.recorder.block_forward is not None
+    for (logits, features), (ref_logits, ref_features) in zip(compiled_out, eager_out):
+        assert mx.abs(logits - ref_logits).max().item() <= 1e-4
+        assert mx.abs(features - ref_features).max().item() <= 1e-4
+    for a, b in zip(compiled_cache, eager_cache):
+        assert _positions(a) == _positions(b) == 250 + 3 * 5
+        end = _positions(a)
+        assert mx.abs(a.keys[..., :end, :] - b.keys[..., :end, :]).max().item() <= 1e-5
+
+
+def test_exact_settle_gives_plain_steps_mlx_lms_path(tiny_dir):
+    """After a block cut by a count on the device and a plain step queued behind it, the host
+    knows the exact length: the offset is an int again and single tokens need no mask."""
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "settle-qwen3", "qwen3"))
+    target = Target(model, [1])
+    prompt = mx.array([[(7 * i) % 250 for i in range(21)]])
+    block = mx.array([[(11 * i + 3) % 250 for i in range(16)]])
+    step, nxt = mx.array([[42]]), mx.array([[43]])
+    queued, direct = target.make_cache(), target.make_cache()
+    target(prompt, queued), target(prompt, direct)
+    target(block, queued)
+    target.rollback(queued, mx.array(16 - 7))
+    target(step, queued)
+    assert not isinstance(queued[0].offset, int)
+    target.settle(queued, 21 + 7 + 1, exact=True)
+    assert all(c.offset == c.bound == 29 and isinstance(c.offset, int) for c in queued)
+    assert queued[0].make_mask(1) is None  # mlx-lm's one-query attention, no mask
+    target(block[:, :7], direct), target(step, direct)
+    gap = mx.abs(target(nxt, queued)[0] - target(nxt, direct)[0]).max().item()
+    assert gap <= 1e-4, gap
 
 
 # ---------------------------------------------------------------------------

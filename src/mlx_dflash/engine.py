@@ -256,7 +256,8 @@ def decode_cycles(
         bonus_id = committed[-1]
         if queue_blocks:  # the counts are read: attention and the draft look no further than needed
             in_context = prompt.size + emitted - 1  # every committed token but the latest bonus
-            target.settle(cache, in_context + (queued[0].size if queued is not None else 0))
+            exact = queued is None or queued[1] is None  # (a queued plain step keeps its token)
+            target.settle(cache, in_context + (queued[0].size if queued is not None else 0), exact)
             proposer.settle(in_context)
         if emitted >= max_tokens:
             pending = None

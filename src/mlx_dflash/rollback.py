@@ -53,6 +53,17 @@ PADDED_BLOCK = 64
 PAD_READS: Optional[bool] = None  # None: on GPUs (tests set it to check both reads on the CPU)
 
 
+def visible_keys(n_keys: int, offset: mx.array, n_queries: int) -> mx.array:
+    """[n_queries, n_keys]: query i sits at ``offset + i`` and sees the keys up to itself;
+    those past it are a stale tail (rejected drafts, unused buffer)."""
+    return mx.arange(n_keys)[None] <= (offset + mx.arange(n_queries))[:, None]
+
+
+def write_at(buffer: mx.array, new: mx.array, offset: mx.array) -> mx.array:
+    """``buffer`` with ``new`` written from position ``offset`` (a device scalar) on."""
+    return mx.slice_update(buffer, new, offset.reshape(1), axes=(2,))
+
+
 def padded(length: int) -> int:
     """``length`` rounded up to mlx-lm's cache step (256): the buffer sizes ``reserve`` makes."""
     return -(-length // KVCache.step) * KVCache.step
@@ -108,9 +119,7 @@ class DeviceKVCache(KVCache):
             self.keys[..., self.offset : self.offset + n, :] = keys
             self.values[..., self.offset : self.offset + n, :] = values
         else:
-            at = self.offset.reshape(1)
-            self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
-            self.values = mx.slice_update(self.values, values, at, axes=(2,))
+            self.keys, self.values = write_at(self.keys, keys, self.offset), write_at(self.values, values, self.offset)
         self.offset = self.offset + n
         self.bound += n
         return self.keys[..., :fetched, :], self.values[..., :fetched, :]
@@ -121,8 +130,18 @@ class DeviceKVCache(KVCache):
             return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
         if window_size is not None:
             raise ValueError("a sliding window needs a cache of its own (RotatingKVCache)")
-        # query i sits at offset + i and sees the keys up to itself; the rest are a stale tail
-        return mx.arange(fetched)[None] <= (self.offset + mx.arange(N))[:, None]
+        return visible_keys(fetched, self.offset, N)
+
+    def make_room(self, n: int) -> None:
+        """Grow the buffers (if needed) so that ``n`` more positions fit past ``bound``."""
+        template = self.keys[..., :n, :]  # (only its shape and dtype are used)
+        self.keys, self.values = reserve(self.keys, self.values, self.bound, template, template)
+
+    def wrote(self, keys: mx.array, values: mx.array, n: int, offset: mx.array) -> None:
+        """Take the buffers of a compiled block forward, which wrote ``n`` positions (now up to
+        ``offset``)."""
+        self.keys, self.values, self.offset = keys, values, offset
+        self.bound += n
 
     def drop(self, num_tokens: Union[int, mx.array]) -> None:
         """Forget the last ``num_tokens`` positions (an int, or a count still on the device)."""
@@ -130,9 +149,15 @@ class DeviceKVCache(KVCache):
         if isinstance(self.offset, int):
             self.bound = self.offset
 
-    def settle(self, in_use: int) -> None:
-        """The host now knows at most ``in_use`` positions are in use: fetch no more."""
+    def settle(self, in_use: int, exact: bool = False) -> None:
+        """The host now knows at most ``in_use`` positions are in use (``exact``: that many):
+        fetch no more. An exact count turns the offset back into an int, so that single
+        tokens take mlx-lm's own path again (no mask: its one-query attention kernel; with
+        a device offset they need a mask, which MLX's CUDA backend runs as a matmul-softmax-
+        matmul: 857 kernels a SmolLM2 step instead of 634, scripts/launch_costs.py)."""
         self.bound = in_use
+        if exact:
+            self.offset = in_use
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n) if isinstance(self.offset, int) else n
@@ -144,6 +169,22 @@ class DeviceKVCache(KVCache):
 
     def size(self) -> int:
         return self.bound
+
+
+class BufferView:
+    """A ``DeviceKVCache`` inside a compiled block forward (``Target``): its whole buffer read,
+    written at a device offset, masked past each query. Only arrays, no host counts: one trace
+    serves every block of a length while the buffers keep their size (256 positions)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys, self.values = write_at(self.keys, keys, self.offset), write_at(self.values, values, self.offset)
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+        return visible_keys(self.keys.shape[2], self.offset, N)
 
 
 def trim_attention_cache(cache: Any, num_tokens: Union[int, mx.array]) -> None:

@@ -1,0 +1,144 @@
+"""Host and device time of each piece of a cycle, one piece at a time, with the kernels it launches.
+
+    python scripts/launch_costs.py [--model M] [--draft D] [--context 300] [--iters 30]
+
+For each piece (mlx-lm's plain step; the tapped target's plain step and 16-token verify with the
+engine's cache, its count on the device as in queued cycles, the verify eager and compiled
+(``target.COMPILE_BLOCKS``); the draft's context update and pass), times building the graph, ``mx.async_eval`` with the device idle (the host launching
+kernels) and the wait that follows (device work not hidden by the launch), median of
+``--iters``; and counts the graph's primitives by kind (``mx.export_to_dot``; views such as
+transposes and broadcasts launch nothing). Where launches dominate, a cycle costs what its
+kernel count costs; where the wait does, the device is the bottleneck.
+"""
+
+import argparse
+import re
+import statistics
+import time
+from collections import Counter
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_dflash import rollback
+from mlx_dflash import target as target_module
+from mlx_dflash.draft import load_draft
+from mlx_dflash.engine import DFlashProposer
+from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
+from mlx_dflash.sampling import matching_prefix
+from mlx_dflash.target import Target, float_dtype, load_target
+
+VIEWS = {"Broadcast", "Transpose", "ExpandDims", "Squeeze", "Slice", "Flatten", "Unflatten", "AsStrided"}
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=DEFAULT_MODEL)
+parser.add_argument("--draft", default=None)
+parser.add_argument("--context", type=int, default=300)
+parser.add_argument("--iters", type=int, default=30)
+args = parser.parse_args()
+
+rollback.PAD_READS = True  # the GPU's reads, also when run on the CPU
+target_module.COMPILE_BLOCKS = False  # eager blocks, except in "verify compiled"
+model, tokenizer = load_target(args.model)
+draft = load_draft(args.draft or shipped_draft(args.model), dtype=float_dtype(model))
+vocab = draft.config.vocab_size
+prompt = mx.random.randint(0, vocab, (args.context,)).astype(mx.uint32)
+block = mx.random.randint(0, vocab, (16,)).astype(mx.uint32)
+
+target = Target(model, draft.config.target_layer_ids)
+proposer = DFlashProposer(draft)
+cache = target.make_cache()
+proposer.start(target)
+_, features = target(prompt[None], cache)
+proposer.add_context(features)
+mx.eval(proposer.propose(block[:1], 15), [c.state for c in cache])
+# as in queued cycles: the counts on the device
+target.rollback(cache, mx.array(0))
+mx.eval([c.offset for c in cache if hasattr(c, "offset")])
+plain_cache = make_prompt_cache(model)
+mx.eval(model(prompt[None], cache=plain_cache), [c.state for c in plain_cache])
+features16 = mx.random.normal((1, 16, features.shape[-1])).astype(features.dtype)
+mx.eval(features16)
+
+
+def mlx_lm_step():
+    out = model(block[None, :1], cache=plain_cache)
+    for c in plain_cache:
+        c.trim(1)
+    return [mx.argmax(out[0, -1])]
+
+
+def target_step():
+    logits, feats = target(block[None, :1], cache)
+    target.rollback(cache, mx.array(1))
+    target.settle(cache, args.context)
+    return [mx.argmax(logits[0, -1]), feats]
+
+
+def target_verify():
+    logits, feats = target(block[None], cache)
+    tokens = mx.argmax(logits[0], axis=-1)
+    accepted = matching_prefix(block[1:], tokens)
+    target.rollback(cache, 16 - accepted[0] + accepted[0])  # a device count (all 16)
+    target.settle(cache, args.context)
+    return [tokens, accepted, feats]
+
+
+def draft_context():
+    proposer.add_context(features16, mx.array(5))
+    proposer._project_singles()
+    for context, kept in proposer.pending:
+        draft.store_context(context, proposer.cache, kept)
+    proposer.pending = []
+    out = [c.keys for c in proposer.cache] + [c.values for c in proposer.cache]
+    proposer.settle(args.context)
+    return out
+
+
+def draft_pass():
+    return [proposer.propose(block[:1], 15)]
+
+
+def target_verify_compiled():
+    target_module.COMPILE_BLOCKS = True
+    try:
+        return target_verify()
+    finally:
+        target_module.COMPILE_BLOCKS = False
+
+
+def op_counts(outputs) -> Counter:
+    mx.export_to_dot("/tmp/launch_costs.dot", *outputs)
+    return Counter(re.findall(r'label ="([^"]+)"', open("/tmp/launch_costs.dot").read()))
+
+
+def measure(name, piece):
+    build, launch, wait = [], [], []
+    for i in range(args.iters + 3):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        outputs = piece()
+        t1 = time.perf_counter()
+        if i == 0:
+            counts = op_counts(outputs)
+        mx.async_eval(*outputs)
+        t2 = time.perf_counter()
+        mx.eval(*outputs)
+        mx.synchronize()
+        t3 = time.perf_counter()
+        if i >= 3:
+            build.append(t1 - t0), launch.append(t2 - t1), wait.append(t3 - t2)
+    kernels = sum(n for op, n in counts.items() if op not in VIEWS)
+    ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
+    print(f"{name:16s} build {ms(build):6.2f} ms | async_eval {ms(launch):6.2f} ms | wait {ms(wait):6.2f} ms "
+          f"| {kernels} primitives (+{sum(counts.values()) - kernels} views)", flush=True)
+    top = ", ".join(f"{op} {n}" for op, n in counts.most_common() if op not in VIEWS)
+    print(f"{'':16s} {top}", flush=True)
+
+
+print(f"compiled verify's tokens equal eager ones: {mx.array_equal(target_verify_compiled()[0], target_verify()[0])}")
+print(f"device {mx.default_device()}, context {args.context}, MLX {mx.__version__}", flush=True)
+for name, piece in [("mlx-lm step", mlx_lm_step), ("target step", target_step), ("target verify16", target_verify),
+                    ("verify compiled", target_verify_compiled), ("draft context", draft_context),
+                    ("draft pass", draft_pass)]:
+    measure(name, piece)
