@@ -4,7 +4,7 @@
 
 For each piece (mlx-lm's plain step; the tapped target's plain step and 16-token verify with the
 engine's cache, its count on the device as in queued cycles, the verify eager and compiled
-(``target.COMPILE_BLOCKS``); the draft's context update and pass), times building the graph, ``mx.async_eval`` with the device idle (the host launching
+(``target.COMPILE_BLOCKS``; packed projections there unless ``--pack off``); the draft's context update and pass), times building the graph, ``mx.async_eval`` with the device idle (the host launching
 kernels) and the wait that follows (device work not hidden by the launch), median of
 ``--iters``; and counts the graph's primitives by kind (``mx.export_to_dot``; views such as
 transposes and broadcasts launch nothing). Where launches dominate, a cycle costs what its
@@ -20,7 +20,7 @@ from collections import Counter
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dflash import rollback
+from mlx_dflash import packing, rollback
 from mlx_dflash import target as target_module
 from mlx_dflash.draft import load_draft
 from mlx_dflash.engine import DFlashProposer
@@ -35,7 +35,10 @@ parser.add_argument("--model", default=DEFAULT_MODEL)
 parser.add_argument("--draft", default=None)
 parser.add_argument("--context", type=int, default=300)
 parser.add_argument("--iters", type=int, default=30)
+parser.add_argument("--pack", choices=["on", "off"], default="on",
+                    help="packed projections in the compiled verify (packing.py)")
 args = parser.parse_args()
+packing.PACK_PROJECTIONS = args.pack == "on"
 
 rollback.PAD_READS = True  # the GPU's reads, also when run on the CPU
 target_module.COMPILE_BLOCKS = False  # eager blocks, except in "verify compiled"
@@ -137,7 +140,8 @@ def measure(name, piece):
 
 
 print(f"compiled verify's tokens equal eager ones: {mx.array_equal(target_verify_compiled()[0], target_verify()[0])}")
-print(f"device {mx.default_device()}, context {args.context}, MLX {mx.__version__}", flush=True)
+print(f"device {mx.default_device()}, context {args.context}, MLX {mx.__version__}, packed projections in the "
+      f"compiled verify: {args.pack}", flush=True)
 for name, piece in [("mlx-lm step", mlx_lm_step), ("target step", target_step), ("target verify16", target_verify),
                     ("verify compiled", target_verify_compiled), ("draft context", draft_context),
                     ("draft pass", draft_pass)]:

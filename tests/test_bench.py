@@ -54,6 +54,24 @@ def test_bench_runs_and_writes_everything(tiny_dir, tmp_path):
     assert "| dflash | 12 |" in markdown_table(summary)
 
 
+def test_baselines_first_times_mlx_lm_before_any_dflash(tiny_dir, monkeypatch):
+    from mlx_dflash import bench
+
+    path = make_tiny_target(tiny_dir / "bench-order-qwen3", "qwen3")
+    model, tokenizer = load_tiny(path)
+    draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1, mask_token_id=MASK_ID)
+    prompts = [tokenizer.encode("one"), tokenizer.encode("two two")]
+    order = []
+    for name in ("run_mlx_lm", "run_dflash", "warm_up"):
+        real = getattr(bench, name)
+        monkeypatch.setattr(bench, name, lambda *a, _real=real, _name=name, **k: order.append(_name) or _real(*a, **k))
+    cfg = BenchConfig(lengths=[12], no_eos=True, baselines_first=True)
+    summary = run_bench(model, tokenizer, prompts, {"dflash": draft}, cfg)
+    # warm-up of mlx-lm, both baselines, then DFlash's warm-up and runs; DFlash still matches
+    assert order[:3] == ["run_mlx_lm"] * 3 and "run_mlx_lm" not in order[3:] and order[3] == "warm_up"
+    assert all(m is True for m in summary["dflash@12"]["token_match"].values())
+
+
 @pytest.mark.parametrize("shape", ["tiny", "tiny-hybrid"])
 def test_scale_targets_have_a_steady_greedy_continuation(shape):
     """A replay needs a trajectory that bfloat16 rounding cannot flip: near-flat random logits

@@ -60,7 +60,8 @@ def test_llama_block_size_10(tiny_dir):
 def test_queued_cycles_equal_greedy(tiny_dir, family, monkeypatch):
     """What GPUs run, here on the CPU: each block queued before the previous accept count is
     read (rollback, draft context and next first token from the count on the device), keys read
-    from whole buffers, blocks through a compiled forward (targets of only KV caches), a draft
+    from whole buffers, blocks through a compiled forward (targets of only KV caches) with packed
+    projections, a draft
     context window cut by device counts; tokens equal mlx-lm greedy
     with a random draft, planted mistakes, and the adaptive policy's mix of sizes."""
     from mlx_dflash import rollback
@@ -202,6 +203,30 @@ def test_compiled_blocks_equal_eager_ones(tiny_dir, family, monkeypatch):
         assert _positions(a) == _positions(b) == 250 + 3 * 5
         end = _positions(a)
         assert mx.abs(a.keys[..., :end, :] - b.keys[..., :end, :]).max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family, bits", [("llama", None), ("qwen2", None), ("qwen3_moe", None), ("qwen3_5", None),
+                                          ("qwen3", 4), ("qwen3", 8)])
+def test_packed_projections_equal_separate_ones(tiny_dir, family, bits):
+    """q/k/v and gate/up packed into one matmul each (qwen2: with biases; quantized alike):
+    installed, they give the separate projections' outputs; outside, the model is mlx-lm's."""
+    from mlx_dflash.packing import PackedProjection, PackedProjections
+
+    path = make_tiny_target(tiny_dir / f"packed-{family}", family)
+    model, _ = load_tiny(path)
+    reference, _ = load_tiny(path)
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits), nn.quantize(reference, group_size=32, bits=bits)
+    packed = PackedProjections(model)
+    assert len(packed.swaps) >= 2 * len(model.layers)  # gate/up everywhere, q/k/v in attention layers
+    block, step = mx.array([[(7 * i) % 250 for i in range(21)]]), mx.array([[42]])
+    expected = reference(block)
+    with packed.installed():
+        assert any(isinstance(m, PackedProjection) for m in model.modules())
+        gap = mx.abs(model(block) - expected).max().item() / mx.abs(expected).max().item()
+    assert gap <= 1e-5, gap  # (one matmul's blocking instead of three: the last bits differ)
+    assert not any(isinstance(m, PackedProjection) for m in model.modules())
+    assert mx.array_equal(model(block), expected).item() and mx.array_equal(model(step), reference(step)).item()
 
 
 def test_exact_settle_gives_plain_steps_mlx_lms_path(tiny_dir):

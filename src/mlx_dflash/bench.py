@@ -241,6 +241,10 @@ class BenchConfig:
     block_size: Optional[int] = None
     num_draft_tokens: int = 3
     sampling: Optional[SamplingParams] = None  # None: greedy
+    # mlx-lm's greedy on every prompt before any DFlash generation, instead of alternating:
+    # on an H200, mlx-lm in a process that had run DFlash measured slower (~250 -> 150-210 tok/s,
+    # scripts/baseline_interaction.py), which alternating counts against the baseline
+    baselines_first: bool = False
 
 
 def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: BenchConfig,
@@ -251,20 +255,32 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
     if cfg.no_eos:
         tokenizer.eos_token_ids = set()
     runs: list[Run] = []
+    jobs = [(p, n, r) for n in cfg.lengths for p in range(len(prompts)) for r in range(cfg.repeats)]
+    baselines: dict[tuple, Run] = {}
+
+    def baseline(job: tuple) -> Run:
+        p, length, _ = job
+        return Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompts[p], length, sampling=cfg.sampling)[:3])
+
     try:
         if cfg.warmup:  # compile kernels and fill allocator caches before anything is timed
             tokenizer.eos_token_ids = set()  # the warm-up must run its full length
             reference = run_mlx_lm(model, tokenizer, prompts[0], 300)[0]
+            tokenizer.eos_token_ids = set() if cfg.no_eos else saved_eos
+        if cfg.baselines_first:
+            baselines = {job: baseline(job) for job in tqdm(jobs, desc="bench mlx-lm", unit="run")}
+        if cfg.warmup:
+            tokenizer.eos_token_ids = set()
             if ar_draft is not None:
                 run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, cfg.num_draft_tokens)
             for proposer in {id(p): p for p in proposers.values()}.values():  # one draft, several methods: once
                 warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size)
             tokenizer.eos_token_ids = set() if cfg.no_eos else saved_eos
-        jobs = [(p, n, r) for n in cfg.lengths for p in range(len(prompts)) for r in range(cfg.repeats)]
         policies: dict[str, BlockPolicy] = {}  # an adaptive method's: costs carry over, as in a server
-        for p, length, _ in tqdm(jobs, desc="bench", unit="run"):
+        for job in tqdm(jobs, desc="bench", unit="run"):
+            p, length, _ = job
             prompt = prompts[p]
-            base = Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompt, length, sampling=cfg.sampling)[:3])
+            base = baselines.get(job) or baseline(job)
             runs.append(base)
             if ar_draft is not None:
                 tokens, pre, dec, _ = run_mlx_lm(model, tokenizer, prompt, length, ar_draft, cfg.num_draft_tokens)

@@ -277,6 +277,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--baselines-first", action="store_true",
+                   help="time mlx-lm on every prompt before any DFlash generation (not alternating)")
     p.add_argument("--no-eos", action="store_true", help="ignore EOS: always generate the full length")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--out", default="bench_out", help="folder for results.json, results.md and PNG plots")
@@ -312,7 +314,7 @@ def _run_bench(args) -> None:
         raise DFlashError("--lengths must all be at least 1")
     cfg = BenchConfig(lengths=args.lengths, repeats=args.repeats, warmup=not args.no_warmup,
                       no_eos=args.no_eos or bool(args.scale), block_size=args.block_size,
-                      num_draft_tokens=args.num_draft_tokens)
+                      num_draft_tokens=args.num_draft_tokens, baselines_first=args.baselines_first)
     out = Path(args.out)
     if args.scale:
         import mlx.core as mx

@@ -1,0 +1,54 @@
+"""Does running DFlash in a process slow mlx-lm's own decoding in it afterwards?
+
+    python scripts/baseline_interaction.py --model M --draft D [--compile on|off] [--pack on|off]
+
+`mlx-dflash bench` times mlx-lm's greedy and DFlash alternately in one process, on one model
+instance. This times mlx-lm alone (after a warm-up) before any DFlash generation, then after
+DFlash generations, twice each, with the compiled block forward and the packed projections as
+chosen, so that a change that makes the baseline slower cannot pass as a faster ratio.
+"""
+
+import argparse
+
+from mlx_dflash import packing
+from mlx_dflash import target as target_module
+from mlx_dflash.bench import humaneval_prompts, run_dflash, run_mlx_lm
+from mlx_dflash.data import encode_chat, read_prompts
+from mlx_dflash.draft import load_draft
+from mlx_dflash.engine import DFlashProposer
+from mlx_dflash.target import float_dtype, load_target
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--draft", required=True)
+parser.add_argument("--compile", choices=["on", "off"], default="on")
+parser.add_argument("--pack", choices=["on", "off"], default="on")
+parser.add_argument("--tokens", type=int, default=512)
+parser.add_argument("--prompts", default=None, help="JSONL prompts (default: the bench's HumanEval set)")
+args = parser.parse_args()
+target_module.COMPILE_BLOCKS = args.compile == "on"
+packing.PACK_PROJECTIONS = args.pack == "on"
+
+model, tokenizer = load_target(args.model)
+draft = load_draft(args.draft, dtype=float_dtype(model))
+tokenizer.eos_token_ids = set()
+texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
+prompts = [encode_chat(tokenizer, t) for t in texts[:2]]
+
+
+def mlx_lm(label):
+    for p in prompts:
+        tokens, _, decode_s, _ = run_mlx_lm(model, tokenizer, p, args.tokens)
+        print(f"{label}: mlx-lm {(len(tokens) - 1) / decode_s:.1f} tok/s", flush=True)
+
+
+run_mlx_lm(model, tokenizer, prompts[0], 64)
+mlx_lm("before any DFlash")
+for p in prompts:
+    tokens, _, decode_s, acc = run_dflash(model, tokenizer, p, args.tokens, DFlashProposer(draft), None)
+    print(f"dflash fixed {(len(tokens) - 1) / decode_s:.1f} tok/s", flush=True)
+mlx_lm("after DFlash")
+for p in prompts:
+    tokens, _, decode_s, acc = run_dflash(model, tokenizer, p, args.tokens, DFlashProposer(draft), None)
+    print(f"dflash fixed {(len(tokens) - 1) / decode_s:.1f} tok/s", flush=True)
+mlx_lm("after more DFlash")
