@@ -1,11 +1,12 @@
 """Host and device time of each piece of a cycle, one piece at a time, with the kernels it launches.
 
-    python scripts/launch_costs.py [--model M] [--draft D] [--context 300] [--iters 30]
+    python scripts/launch_costs.py [--model M] [--draft D] [--context 300] [--iters 30] [--pack off]
 
 For each piece (mlx-lm's plain step; the tapped target's plain step and 16-token verify with the
 engine's cache, its count on the device as in queued cycles, the verify eager and compiled
-(``target.COMPILE_BLOCKS``; packed projections there unless ``--pack off``); the draft's context update and pass), times building the graph, ``mx.async_eval`` with the device idle (the host launching
-kernels) and the wait that follows (device work not hidden by the launch), median of
+(``target.COMPILE_BLOCKS``; packed projections there unless ``--pack off``); the draft's context
+update and pass), times building the graph, ``mx.async_eval`` with the device idle (the host
+launching kernels) and the wait that follows (device work not hidden by the launch), median of
 ``--iters``; and counts the graph's primitives by kind (``mx.export_to_dot``; views such as
 transposes and broadcasts launch nothing). Where launches dominate, a cycle costs what its
 kernel count costs; where the wait does, the device is the bottleneck.

@@ -137,7 +137,7 @@ class DeviceKVCache(KVCache):
         template = self.keys[..., :n, :]  # (only its shape and dtype are used)
         self.keys, self.values = reserve(self.keys, self.values, self.bound, template, template)
 
-    def wrote(self, keys: mx.array, values: mx.array, n: int, offset: mx.array) -> None:
+    def wrote(self, keys: mx.array, values: mx.array, n: int, offset: Union[int, mx.array]) -> None:
         """Take the buffers of a compiled block forward, which wrote ``n`` positions (now up to
         ``offset``)."""
         self.keys, self.values, self.offset = keys, values, offset

@@ -228,13 +228,13 @@ class Target:
         n = tokens.shape[1]
         for layer_cache in cache:
             layer_cache.make_room(n)
-        offset = cache[0].offset  # (every layer is at the same position)
-        offset = offset if isinstance(offset, mx.array) else mx.array(offset)
+        start = cache[0].offset  # (every layer is at the same position)
         logits, features, *buffers = self.recorder.block_forward(
-            tokens, offset, *(x for layer_cache in cache for x in (layer_cache.keys, layer_cache.values)))
-        offset = offset + n
+            tokens, start if isinstance(start, mx.array) else mx.array(start),
+            *(x for layer_cache in cache for x in (layer_cache.keys, layer_cache.values)))
+        end = start + n  # an int stays an int: the host keeps knowing the exact length
         for layer_cache, keys, values in zip(cache, buffers[::2], buffers[1::2]):
-            layer_cache.wrote(keys, values, n, offset)
+            layer_cache.wrote(keys, values, n, end)
         return logits, features
 
     def _forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
