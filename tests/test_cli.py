@@ -90,3 +90,19 @@ def test_data_prompt_sources_are_checked(tmp_path, capsys):
     assert main(["data", "--out", out, "--prompt-packages", "no_such_package"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "not both" in err[0] and "no_such_package" in err[1] and len(err) == 2
+
+
+@pytest.mark.parametrize("preset", [None, "1"])
+def test_import_sets_mlx_cuda_defaults_unless_set(preset):
+    """MLX reads these once, at its first GPU use; importing mlx_dflash sets them unless the user did."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_ENABLE_CACHE_THRASHING_CHECK", "MLX_CUDA_USE_CUDNN_SDPA")}
+    if preset is not None:
+        env["MLX_ENABLE_CACHE_THRASHING_CHECK"] = preset
+    code = ("import os, mlx_dflash; print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'], "
+            "os.environ['MLX_CUDA_USE_CUDNN_SDPA'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [preset or "0", "0"]

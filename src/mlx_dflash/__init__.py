@@ -7,6 +7,12 @@ import os
 # costs tens of ms (BENCHMARKS.md, "MLX CUDA"). MLX's own attention kernels need no build.
 # Read once by MLX, at its first attention call; set it to 1 yourself to keep cuDNN.
 os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
+# MLX's CUDA backend keeps LRU caches (CUDA graphs: 400 entries) whose check counts every miss
+# in the process's life and throws once they pass twice the capacity, ending the process: a
+# long `serve` (every prompt length, block size and 256-position buffer size makes new graphs)
+# would die by it at some point, mid-request. Without the check a miss only costs a rebuild.
+# MLX 0.32.4 reads MLX_ENABLE_CACHE_THRASHING_CHECK (checked in its CUDA library's strings).
+os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
 
 from .draft import DFlashDraft, create_random_draft, load_draft, save_draft
 from .engine import GenerationResult, StreamResponse, generate, stream_generate
