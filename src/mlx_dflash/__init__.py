@@ -10,7 +10,7 @@ os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 # MLX's CUDA backend keeps LRU caches (CUDA graphs: 400 entries) whose check counts every miss
 # in the process's life and throws once they pass twice the capacity, ending the process: a
 # long `serve` (every prompt length, block size and 256-position buffer size makes new graphs)
-# would die by it at some point, mid-request. Without the check a miss only costs a rebuild.
+# can die by it, mid-request. Without the check a miss only costs a rebuild.
 # MLX 0.32.4 reads MLX_ENABLE_CACHE_THRASHING_CHECK (checked in its CUDA library's strings).
 os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
 
