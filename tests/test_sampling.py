@@ -87,6 +87,21 @@ def test_emitted_distribution_is_the_targets(setup, params):
         assert stat < chi_square_bound(dof), (stat, dof)
 
 
+def test_emitted_distribution_with_compiled_blocks(setup, monkeypatch):
+    """What GPUs run for sampling: blocks through the compiled forward, counts read on the host."""
+    from mlx_dflash import target as target_module
+
+    monkeypatch.setattr(target_module, "COMPILE_BLOCKS", True)
+    model, _, draft, prompt = setup
+    params = SamplingParams(temp=1.0)
+    p2, p3 = exact_marginals(model, prompt, params)
+    counts = sampled_marginals(model, draft, prompt, params)
+    assert Target(model, draft.config.target_layer_ids).recorder.block_forward is not None  # (it ran)
+    for observed, expected in ((counts[0], p2), (counts[1], p3)):
+        stat, dof = chi_square(observed, expected)
+        assert stat < chi_square_bound(dof), (stat, dof)
+
+
 def test_the_check_catches_a_wrong_acceptance_rule(setup, monkeypatch):
     """Accepting with min(1, q/p) instead of min(1, p/q) must fail the same test."""
     model, _, draft, prompt = setup
