@@ -4,9 +4,9 @@ An attention layer computes q, k and v from the same input, an MLP its gate and 
 matmuls a layer. A small model's block on a GPU is bound by the host launching kernels, and a
 matmul of a 16-token block is the dearest launch there (SmolLM2-135M on an H200: a verify's launch
 took 2.4 ms longer than a step's with as many primitives, ~9 us for each of its 271 matmuls;
-``scripts/launch_costs.py``). So the rows of each
-group's matrices are packed into one matrix, multiplied once, and the product split: two matmuls
-a layer fewer for q/k/v, one for gate/up (the issue's "packed QKV and gate/up projections").
+``scripts/launch_costs.py``). So the rows of each group's matrices are packed into one matrix,
+multiplied once, and the product split: two matmuls a layer fewer for q/k/v, one for gate/up
+(the issue's "packed QKV and gate/up projections").
 
 Per model instance, no class patched, and only inside the traced block forward
 (``Target``'s compiled blocks): ``PackedProjections.installed()`` swaps each projection for a
