@@ -3,7 +3,10 @@
 # with the tree as carried, then with PATCH applied, ROUNDS times in turn (a shared machine
 # drifts between calls by as much as a change does). Carry .device/b and the patch's folder
 # (e.g. .device/patches, git-ignored); make the patch here with `git diff > .device/patches/X.patch`
-# and `git checkout` the files. Prints each run's rows; $OUT/ab-NAME.tgz holds every result.
+# and `git checkout` the files, or to compare with an older commit REV:
+# `git diff -R REV -- src ':!src/mlx_dflash/drafts' > .device/patches/X.patch` (while the draft's
+# weights are untracked for the lease, a plain diff would carry them and the patch would fail).
+# Prints each run's rows; $OUT/ab-NAME.tgz holds every result.
 #   ROUNDS=2 bash scripts/device/ab.sh .device/patches/X.patch --scale qwen3.5-9b --num-prompts 1 \
 #     --replay-mean 6.5 --lengths 1024 --repeats 2
 set -uo pipefail
