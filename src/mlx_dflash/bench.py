@@ -14,6 +14,7 @@ import inspect
 import json
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
@@ -262,20 +263,26 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
         p, length, _ = job
         return Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompts[p], length, sampling=cfg.sampling)[:3])
 
+    @contextmanager
+    def full_length():  # a warm-up must run its full length
+        tokenizer.eos_token_ids = set()
+        try:
+            yield
+        finally:
+            tokenizer.eos_token_ids = set() if cfg.no_eos else saved_eos
+
     try:
         if cfg.warmup:  # compile kernels and fill allocator caches before anything is timed
-            tokenizer.eos_token_ids = set()  # the warm-up must run its full length
-            reference = run_mlx_lm(model, tokenizer, prompts[0], 300)[0]
-            tokenizer.eos_token_ids = set() if cfg.no_eos else saved_eos
+            with full_length():
+                reference = run_mlx_lm(model, tokenizer, prompts[0], 300)[0]
         if cfg.baselines_first:
             baselines = {job: baseline(job) for job in tqdm(jobs, desc="bench mlx-lm", unit="run")}
         if cfg.warmup:
-            tokenizer.eos_token_ids = set()
-            if ar_draft is not None:
-                run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, cfg.num_draft_tokens)
-            for proposer in {id(p): p for p in proposers.values()}.values():  # one draft, several methods: once
-                warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size)
-            tokenizer.eos_token_ids = set() if cfg.no_eos else saved_eos
+            with full_length():
+                if ar_draft is not None:
+                    run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, cfg.num_draft_tokens)
+                for proposer in {id(p): p for p in proposers.values()}.values():  # one draft, several methods: once
+                    warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size)
         policies: dict[str, BlockPolicy] = {}  # an adaptive method's: costs carry over, as in a server
         for job in tqdm(jobs, desc="bench", unit="run"):
             p, length, _ = job

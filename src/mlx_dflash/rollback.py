@@ -134,8 +134,8 @@ class DeviceKVCache(KVCache):
 
     def make_room(self, n: int) -> None:
         """Grow the buffers (if needed) so that ``n`` more positions fit past ``bound``."""
-        template = self.keys[..., :n, :]  # (only its shape and dtype are used)
-        self.keys, self.values = reserve(self.keys, self.values, self.bound, template, template)
+        new_keys, new_values = self.keys[..., :n, :], self.values[..., :n, :]  # (only shapes and dtypes are used)
+        self.keys, self.values = reserve(self.keys, self.values, self.bound, new_keys, new_values)
 
     def wrote(self, keys: mx.array, values: mx.array, n: int, offset: Union[int, mx.array]) -> None:
         """Take the buffers of a compiled block forward, which wrote ``n`` positions (now up to
