@@ -5,12 +5,17 @@
 `mlx-dflash bench` times mlx-lm's greedy and DFlash alternately in one process, on one model
 instance. This times mlx-lm alone (after a warm-up) before any DFlash generation, then after
 DFlash generations, twice each, with the compiled block forward and the packed projections as
-chosen, so that a change that makes the baseline slower cannot pass as a faster ratio.
+chosen, so that a change that makes the baseline slower cannot pass as a faster ratio. With
+``--release`` it then frees what a suspect might hold (Python's garbage, MLX's buffer cache) and
+times mlx-lm after each, to find which one the slowdown lives in.
 """
 
 import argparse
+import gc
 
-from mlx_dflash import packing
+import mlx.core as mx
+
+from mlx_dflash import projections
 from mlx_dflash import target as target_module
 from mlx_dflash.bench import humaneval_prompts, run_dflash, run_mlx_lm
 from mlx_dflash.data import encode_chat, read_prompts
@@ -25,9 +30,10 @@ parser.add_argument("--compile", choices=["on", "off"], default="on")
 parser.add_argument("--pack", choices=["on", "off"], default="on")
 parser.add_argument("--tokens", type=int, default=512)
 parser.add_argument("--prompts", default=None, help="JSONL prompts (default: the bench's HumanEval set)")
+parser.add_argument("--release", action="store_true", help="then gc.collect(), then mx.clear_cache(), timing each")
 args = parser.parse_args()
 target_module.COMPILE_BLOCKS = args.compile == "on"
-packing.PACK_PROJECTIONS = args.pack == "on"
+projections.PACK_PROJECTIONS = args.pack == "on"
 
 model, tokenizer = load_target(args.model)
 draft = load_draft(args.draft, dtype=float_dtype(model))
@@ -54,3 +60,10 @@ dflash()
 mlx_lm("after DFlash")
 dflash()
 mlx_lm("after more DFlash")
+if args.release:
+    memory = lambda: f"active {mx.get_active_memory() / 2**20:.0f} MiB, cache {mx.get_cache_memory() / 2**20:.0f} MiB"  # noqa: E731
+    print(f"  gc.collect() found {gc.collect()} objects; {memory()}", flush=True)
+    mlx_lm("after gc.collect()")
+    mx.clear_cache()
+    print(f"  mx.clear_cache(); {memory()}", flush=True)
+    mlx_lm("after mx.clear_cache()")

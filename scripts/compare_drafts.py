@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from mlx_dflash import generate, load_draft, load_target
 from mlx_dflash.bench import humaneval_prompts, run_mlx_lm
-from mlx_dflash.data import encode_chat
+from mlx_dflash.data import encode_chat, read_prompts
 from mlx_dflash.models import DEFAULT_MODEL
 from mlx_dflash.policy import BlockPolicy
 from mlx_dflash.target import float_dtype
@@ -32,11 +32,13 @@ parser.add_argument("--tokens", type=int, default=256)
 parser.add_argument("--rounds", type=int, default=2)
 parser.add_argument("--block-sizes", type=int, nargs="+", default=[16])
 parser.add_argument("--shared-policy", action="store_true")
+parser.add_argument("--prompts", default=None, help="JSONL prompts (default: the bench's HumanEval set)")
 args = parser.parse_args()
 
 model, tok = load_target(args.model)
 drafts = {name: load_draft(name, dtype=float_dtype(model)) for name in args.drafts}
-prompts = [encode_chat(tok, p) for p in humaneval_prompts()[: args.num_prompts]]
+texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
+prompts = [encode_chat(tok, p) for p in texts[: args.num_prompts]]
 settings = {f"block {size}": dict(block_size=size) for size in args.block_sizes} | {"adaptive": dict(adaptive=True)}
 shared = {name: BlockPolicy(draft.block_size) for name, draft in drafts.items()}
 

@@ -4,12 +4,15 @@
 
 For each piece (mlx-lm's plain step; the tapped target's plain step and 16-token verify with the
 engine's cache, its count on the device as in queued cycles, the verify eager and compiled
-(``target.COMPILE_BLOCKS``; packed projections there unless ``--pack off``); the draft's context
+(``target.COMPILE_BLOCKS``; packed and row-by-row projections there unless ``--pack off`` or
+``--rowwise off``); the draft's context
 update and pass), times building the graph, ``mx.async_eval`` with the device idle (the host
 launching kernels) and the wait that follows (device work not hidden by the launch), median of
 ``--iters``; and counts the graph's primitives by kind (``mx.export_to_dot``; views such as
 transposes and broadcasts launch nothing). Where launches dominate, a cycle costs what its
-kernel count costs; where the wait does, the device is the bottleneck.
+kernel count costs; where the wait does, the device is the bottleneck. "queued" runs the piece
+``--iters`` times back to back without waiting (as queued cycles run): per piece, the larger of
+the host's and the device's time; above build + async_eval, the device is the bottleneck.
 """
 
 import argparse
@@ -21,7 +24,7 @@ from collections import Counter
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dflash import packing, rollback
+from mlx_dflash import projections, rollback
 from mlx_dflash import target as target_module
 from mlx_dflash.draft import load_draft
 from mlx_dflash.engine import DFlashProposer
@@ -37,9 +40,12 @@ parser.add_argument("--draft", default=None)
 parser.add_argument("--context", type=int, default=300)
 parser.add_argument("--iters", type=int, default=30)
 parser.add_argument("--pack", choices=["on", "off"], default="on",
-                    help="packed projections in the compiled verify (packing.py)")
+                    help="packed projections in the compiled verify (projections.py)")
+parser.add_argument("--rowwise", choices=["on", "off"], default="on",
+                    help="plain projections row by row in the compiled verify (projections.py)")
 args = parser.parse_args()
-packing.PACK_PROJECTIONS = args.pack == "on"
+projections.PACK_PROJECTIONS = args.pack == "on"
+projections.ROWWISE_PRODUCTS = args.rowwise == "on"
 
 rollback.PAD_READS = True  # the GPU's reads, also when run on the CPU
 target_module.COMPILE_BLOCKS = False  # eager blocks, except in "verify compiled"
@@ -132,17 +138,24 @@ def measure(name, piece):
         t3 = time.perf_counter()
         if i >= 3:
             build.append(t1 - t0), launch.append(t2 - t1), wait.append(t3 - t2)
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):  # back to back, no waits: each piece costs max(host, device)
+        mx.async_eval(*piece())
+    mx.synchronize()
+    queued = (time.perf_counter() - t0) / args.iters
     kernels = sum(n for op, n in counts.items() if op not in VIEWS)
     ms = lambda xs: 1000 * statistics.median(xs)  # noqa: E731
     print(f"{name:16s} build {ms(build):6.2f} ms | async_eval {ms(launch):6.2f} ms | wait {ms(wait):6.2f} ms "
-          f"| {kernels} primitives (+{sum(counts.values()) - kernels} views)", flush=True)
+          f"| queued {1000 * queued:6.2f} ms each | {kernels} primitives (+{sum(counts.values()) - kernels} views)",
+          flush=True)
     top = ", ".join(f"{op} {n}" for op, n in counts.most_common() if op not in VIEWS)
     print(f"{'':16s} {top}", flush=True)
 
 
 print(f"compiled verify's tokens equal eager ones: {mx.array_equal(target_verify_compiled()[0], target_verify()[0])}")
-print(f"device {mx.default_device()}, context {args.context}, MLX {mx.__version__}, packed projections in the "
-      f"compiled verify: {args.pack}", flush=True)
+print(f"device {mx.default_device()}, context {args.context}, MLX {mx.__version__}, in the compiled verify "
+      f"packed projections {args.pack}, row by row {args.rowwise}", flush=True)
 for name, piece in [("mlx-lm step", mlx_lm_step), ("target step", target_step), ("target verify16", target_verify),
                     ("verify compiled", target_verify_compiled), ("draft context", draft_context),
                     ("draft pass", draft_pass)]:

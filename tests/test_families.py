@@ -61,13 +61,13 @@ def test_queued_cycles_equal_greedy(tiny_dir, family, monkeypatch):
     """What GPUs run, here on the CPU: each block queued before the previous accept count is
     read (rollback, draft context and next first token from the count on the device), keys read
     from whole buffers, blocks through a compiled forward (targets of only KV caches) with packed
-    projections, a draft
-    context window cut by device counts; tokens equal mlx-lm greedy
-    with a random draft, planted mistakes, and the adaptive policy's mix of sizes."""
-    from mlx_dflash import rollback
+    and row-by-row projections, a draft context window cut by device counts; tokens equal
+    mlx-lm greedy with a random draft, planted mistakes, and the adaptive policy's mix of sizes."""
+    from mlx_dflash import projections, rollback
 
     monkeypatch.setattr(rollback, "PAD_READS", True)
     monkeypatch.setattr(target_module, "COMPILE_BLOCKS", True)
+    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / f"queued-{family}", family, "def fib(n):\n    return",
                                                     3 * MAX_TOKENS)
     assert Target(model, [1]).rolls_back_on_device
@@ -178,7 +178,11 @@ def test_rollback_parity(tiny_dir, kind, count_on_device, keep):
 def test_compiled_blocks_equal_eager_ones(tiny_dir, family, monkeypatch):
     """A block through the compiled forward (whole buffers in and out) gives the eager
     forward's logits, features and caches, after rollbacks by a count on the device and on the
-    host, and across a buffer's growth (prompt 250 + blocks: past 256 positions)."""
+    host, and across a buffer's growth (prompt 250 + blocks: past 256 positions); projections
+    packed and row by row, as on GPUs."""
+    from mlx_dflash import projections
+
+    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
     model, _ = load_tiny(make_tiny_target(tiny_dir / f"compiled-{family}", family))
     target = Target(model, [0, 1])
     prompt = mx.array([[(7 * i) % 250 for i in range(250)]])
@@ -205,32 +209,48 @@ def test_compiled_blocks_equal_eager_ones(tiny_dir, family, monkeypatch):
         assert mx.abs(features - ref_features).max().item() <= 1e-4
     for a, b in zip(compiled_cache, eager_cache):
         assert _positions(a) == _positions(b) == 250 + 3 * 5
-        end = _positions(a)
-        assert mx.abs(a.keys[..., :end, :] - b.keys[..., :end, :]).max().item() <= 1e-5
+        end = _positions(a)  # (keys up to ~3: row-by-row products round their last bits differently)
+        assert mx.abs(a.keys[..., :end, :] - b.keys[..., :end, :]).max().item() <= 3e-5
 
 
-@pytest.mark.parametrize("family, bits", [("llama", None), ("qwen2", None), ("qwen3_moe", None), ("qwen3_5", None),
-                                          ("qwen3", 4), ("qwen3", 8)])
-def test_packed_projections_equal_separate_ones(tiny_dir, family, bits):
-    """q/k/v and gate/up packed into one matmul each (qwen2: with biases; quantized alike):
-    installed, they give the separate projections' outputs; outside, the model is mlx-lm's."""
-    from mlx_dflash.packing import PackedProjection, PackedProjections
+@pytest.mark.parametrize("family, bits, rowwise", [("llama", None, True), ("qwen2", None, True),
+                                                   ("qwen3_moe", None, True), ("qwen3_5", None, False),
+                                                   ("qwen3", 4, True), ("qwen3", 8, False)])
+def test_block_projections_equal_the_models_own(tiny_dir, family, bits, rowwise):
+    """q/k/v and gate/up packed into one matmul each (qwen2: with biases; quantized alike), the
+    other plain projections and a tied head row by row: installed, they give the model's own
+    outputs; outside, the model is mlx-lm's again."""
+    from mlx_dflash.projections import BlockProjections, PackedProjection, RowwiseProjection
 
     path = make_tiny_target(tiny_dir / f"packed-{family}", family)
     model, _ = load_tiny(path)
     reference, _ = load_tiny(path)
     if bits:
         nn.quantize(model, group_size=32, bits=bits), nn.quantize(reference, group_size=32, bits=bits)
-    packed = PackedProjections(model)
-    assert len(packed.swaps) >= 2 * len(model.layers)  # gate/up everywhere, q/k/v in attention layers
+    projections = BlockProjections(model, pack=True, rowwise=rowwise)
+    packed = [s for s in projections.swaps if isinstance(s[3], PackedProjection)]
+    assert len(packed) >= 2 * len(model.layers)  # gate/up everywhere, q/k/v in attention layers
+    assert any(isinstance(s[3], RowwiseProjection) for s in projections.swaps) == (rowwise and not bits)
     block, step = mx.array([[(7 * i) % 250 for i in range(21)]]), mx.array([[42]])
     expected = reference(block)
-    with packed.installed():
+    with projections.installed():
         assert any(isinstance(m, PackedProjection) for m in model.modules())
         gap = mx.abs(model(block) - expected).max().item() / mx.abs(expected).max().item()
-    assert gap <= 1e-5, gap  # (one matmul's blocking instead of three: the last bits differ)
-    assert not any(isinstance(m, PackedProjection) for m in model.modules())
+    assert gap <= 1e-5, gap  # (one matmul's blocking instead of another's: the last bits differ)
+    assert not any(isinstance(m, (PackedProjection, RowwiseProjection)) for m in model.modules())
+    assert not any("as_linear" in vars(m) for m in model.modules())
     assert mx.array_equal(model(block), expected).item() and mx.array_equal(model(step), reference(step)).item()
+
+
+def test_rowwise_product_is_each_rows_own_product():
+    """``W @ x[..., None]`` asks for the products ``x @ W.T`` does, one row at a time."""
+    from mlx_dflash.projections import rowwise_product
+
+    weight, x = mx.random.normal((48, 64)), mx.random.normal((2, 16, 64))
+    rows = rowwise_product(x, weight)
+    assert rows.shape == (2, 16, 48)
+    assert mx.allclose(rows, x @ weight.T, atol=1e-4).item()
+    assert mx.allclose(rows[1, 5], (x[1, 5:6] @ weight.T)[0], atol=1e-5).item()
 
 
 def test_exact_settle_gives_plain_steps_mlx_lms_path(tiny_dir):

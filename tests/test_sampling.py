@@ -89,9 +89,11 @@ def test_emitted_distribution_is_the_targets(setup, params):
 
 def test_emitted_distribution_with_compiled_blocks(setup, monkeypatch):
     """What GPUs run for sampling: blocks through the compiled forward, counts read on the host."""
+    from mlx_dflash import projections
     from mlx_dflash import target as target_module
 
     monkeypatch.setattr(target_module, "COMPILE_BLOCKS", True)
+    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
     model, _, draft, prompt = setup
     params = SamplingParams(temp=1.0)
     p2, p3 = exact_marginals(model, prompt, params)

@@ -26,7 +26,7 @@ from .delta_rule import BlockDeltaMixer
 from .device import on_gpu
 from .draft import DFlashDraft
 from .errors import DFlashError
-from .packing import pack_projections
+from .projections import block_projections
 from .rollback import PADDED_BLOCK, BufferView, DeviceKVCache, is_recurrent, trim_attention_cache, unsupported_cache
 
 # Families tested end to end against mlx-lm greedy (tests/test_families.py). Others fail
@@ -217,11 +217,11 @@ class Target:
         """The forward of a block under mx.compile, each cache's whole buffer as an input and
         an output (``rollback.BufferView``); traced again only when a shape changes."""
         if self.recorder.block_forward is None:
-            packed = pack_projections(self.model)  # (one matmul for q/k/v, one for gate/up: packing.py)
+            projections = block_projections(self.model)  # (packed, row by row: projections.py)
 
             def forward(tokens: mx.array, offset: mx.array, *buffers: mx.array):
                 views = [BufferView(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
-                with packed.installed():
+                with projections.installed():
                     logits, features = self._forward(tokens, views)
                 return logits, features, *(x for view in views for x in (view.keys, view.values))
             self.recorder.block_forward = mx.compile(forward)
