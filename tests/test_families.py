@@ -46,6 +46,31 @@ def test_planted_acceptance_lengths_equal_greedy(family_pair):
     assert sorted(set(result.acceptance_lengths[:-1])) == [1, 2, 4, 6, 8, 15, 16]
 
 
+@pytest.mark.parametrize("length", [1, 40, 2048 + 17])
+def test_prefill_gives_mlx_lms_first_logits_bit_for_bit(tiny_dir, length, monkeypatch):
+    """The prompt goes through the target in mlx-lm's calls (all but the last token in chunks,
+    then the last alone), so the first token's logits are mlx-lm's bit for bit, not the last
+    row of a chunk (which differs in its last bits: a bf16 near-tie on a GPU can flip)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_dflash import engine
+    from mlx_dflash.engine import DFlashProposer, _prefill
+
+    monkeypatch.setattr(engine, "PREFILL_STEP", 32)  # several chunks, as 2048 would for long prompts
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "prefill-llama", "llama"))
+    prompt = mx.array([(7 * i + 3) % 250 for i in range(length)])
+    cache = make_prompt_cache(model)
+    for start in range(0, length - 1, 32):  # mlx-lm's generate_step, prefill_step_size=32
+        model(prompt[None, start : min(start + 32, length - 1)], cache=cache)
+    expected = model(prompt[None, -1:], cache=cache)[0, -1]
+    target = Target(model, [1])
+    draft = create_random_draft(_config(model), num_layers=1, block_size=16, mask_token_id=MASK_ID)
+    proposer = DFlashProposer(draft)
+    ours = target.make_cache()
+    proposer.start(target)
+    assert mx.array_equal(_prefill(target, proposer, prompt, ours), expected).item()
+
+
 def test_llama_block_size_10(tiny_dir):
     """The published Llama-3.1 draft drafts blocks of 10."""
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "llama-bs10", "llama", "The quick brown fox", 80)

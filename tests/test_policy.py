@@ -196,3 +196,31 @@ def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir):
     proposer = ReplayProposer(prompt + reference, 16, [None], VOCAB_SIZE)
     result = generate(model, tokenizer, prompt, proposer, max_tokens=30, block_size=4, adaptive=policy)
     assert result.tokens == reference[:30] and policy.slot_checked[1:4] == [1, 1, 1]
+
+
+def test_queued_cycles_charge_each_size_its_own_launch(tiny_dir, monkeypatch):
+    """With the next cycle queued before this one's count is read (GPUs), the window between
+    two syncs holds the next cycle's launch; each size must still be charged its own launch
+    (a plain step followed by a block was charged the block's). A fake clock advances only
+    while the target runs: n units for n tokens, so a size's cost is exactly its size."""
+    import types
+
+    from mlx_dflash import engine, rollback
+    from mlx_dflash.target import Target
+
+    clock = [0.0]
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    forward = Target.__call__
+
+    def counted(self, tokens, cache):
+        clock[0] += tokens.shape[1]
+        return forward(self, tokens, cache)
+    monkeypatch.setattr(Target, "__call__", counted)
+    monkeypatch.setattr(rollback, "PAD_READS", True)
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-queued", "qwen3", "queued", 80)
+    policy = BlockPolicy(16)
+    proposer = ReplayProposer(prompt + reference, 16, [0, 0, 3, None], VOCAB_SIZE)
+    result = generate(model, tokenizer, prompt, proposer, max_tokens=80, adaptive=policy, queue_ahead=True)
+    assert result.tokens == reference[:80]
+    assert {1, 16} <= set(policy.seconds)  # plain steps and blocks, mixed
+    assert all(seconds == size for size, seconds in policy.seconds.items()), policy.seconds

@@ -121,12 +121,16 @@ class Cycle:
 
 
 def _prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[Any]) -> mx.array:
-    """Run the prompt through the target in chunks; return the logits of its last position."""
-    for start in range(0, prompt.size, PREFILL_STEP):
-        logits, features = target(prompt[None, start : start + PREFILL_STEP], cache)
+    """Run the prompt through the target as mlx-lm's ``generate_step`` does: all but its last
+    token in chunks, then the last token alone; return that token's logits. (The same calls
+    give the same kernels: a token's logits from a one-row pass and from the last row of a
+    chunk differ in their last bits, enough to flip a bf16 near-tie on a GPU.)"""
+    for start in range(0, prompt.size - 1, PREFILL_STEP):
+        _, features = target(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)], cache)
         proposer.add_context(features)
-        if start + PREFILL_STEP < prompt.size:
-            mx.eval([c.state for c in cache])
+        mx.eval([c.state for c in cache])
+    logits, features = target(prompt[None, -1:], cache)
+    proposer.add_context(features)
     return logits[0, -1]
 
 
@@ -154,11 +158,16 @@ def decode_cycles(
     history = prompt.tolist()  # committed tokens before the current block, for logits processors
     bonus = first_token(sampling, _prefill(target, proposer, prompt, cache)[None], prompt)  # [1]
 
+    launched = 0.0  # host seconds spent in ``launch`` since the latest sync
+
     def launch(first: mx.array, block_len: int, forecast: bool = False):
         """Draft and verify one block (lazily); queue it on the device. Drafted tokens past
         the verified ones (``guess``) are for the policy to check against the coming tokens
         (``policy.py``): with ``forecast``, a full block's drafts beside a plain step; with any policy, one
-        token past a greedy block, to check against its bonus token if the block is accepted."""
+        token past a greedy block, to check against its bonus token if the block is accepted.
+        Also returns the host seconds it took (the policy's costs: see the loop)."""
+        nonlocal launched
+        tic = time.perf_counter()
         n = block_len - 1
         before = mx.array(history, dtype=mx.uint32) if sampling and sampling.logits_processors else None
         guess = None
@@ -189,7 +198,9 @@ def decode_cycles(
         if forecast:
             guess = proposer.propose(first, block_size - 1)
         mx.async_eval(tokens, features, *(x for x in (accepted, guess) if x is not None))
-        return tokens, accepted, features, guess
+        seconds = time.perf_counter() - tic
+        launched += seconds
+        return tokens, accepted, features, guess, seconds
 
     def keep_prefix(tokens: mx.array, features: mx.array, a: Union[int, mx.array]) -> mx.array:
         """A verified block with ``a`` drafts accepted (read, or still on the device): drop
@@ -217,13 +228,17 @@ def decode_cycles(
     queue_blocks = sampling is None and target.rolls_back_on_device and (on_gpu() if queue_ahead is None else queue_ahead)
     emitted, bonus_id = 1, bonus.item()
     yield Cycle([bonus_id], None)
-    # Each cycle is timed from the end of the previous one, a window that holds one launch: its
-    # graph building and, on the CPU, most of its run (there `mx.async_eval` of a large graph
-    # returns only near the end of it). The first launch belongs in its window too.
+    # A cycle's cost for the policy: the window from the previous sync to its own, with the
+    # launches in it swapped for the cycle's own launch. A window holds the wait for this cycle
+    # and a launch: this cycle's (built after the previous sync), or, when the next cycle is
+    # queued ahead, the next one's (on a GPU most of the window: the host is the bottleneck,
+    # so a plain step followed by a block would be charged the block's launch, and the block
+    # a plain step's). A launch is graph building and, on the CPU, most of the run (there
+    # `mx.async_eval` of a large graph returns only near the end of it).
     synced = time.perf_counter()
     pending = launch(bonus, *next_block()) if emitted < max_tokens else None
     while pending is not None:
-        tokens, accepted, features, guess = pending
+        tokens, accepted, features, guess, own_launch = pending
         block_len = tokens.size
         queued = choice = None
         settled_on_device = block_len == 1 or queue_blocks
@@ -241,8 +256,9 @@ def decode_cycles(
         committed = (tokens if whole else tokens[: a + 1]).tolist()  # a accepted drafts, then the bonus
         if policy:
             forecast = guess is not None and block_len == 1  # its time holds a draft pass
-            policy.record(block_len, a + 1, time.perf_counter() - synced, forecast=forecast)
-            synced = time.perf_counter()
+            seconds = time.perf_counter() - synced - launched + own_launch
+            policy.record(block_len, a + 1, seconds, forecast=forecast)
+            synced, launched = time.perf_counter(), 0.0
             if guess is not None and whole:  # the draft's guesses from this cycle's last token on
                 policy.start_forecast(guess.tolist(), first_slot=block_len)
                 policy.observe(committed[-1:])
