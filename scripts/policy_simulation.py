@@ -1,0 +1,48 @@
+"""The adaptive policy on a simulated pair: how many cycles it runs plain, as blocks, with forecasts.
+
+    python scripts/policy_simulation.py [--cycles 500] [--block-cost 2.7]
+
+Each cycle the draft's true acceptance run is drawn at random (slot 1 accepted with probability
+P1, each later slot with PK, as long as the ones before were); a plain step costs 1, a block
+``--block-cost`` (an H200 with SmolLM2-135M: a verified block ~2.7 plain steps), a forecast 0.6
+more. If the policy picks blocks here where plain decoding wins, its rule is wrong; if it does
+not here but does in a real generation, what it measures there is.
+"""
+
+import argparse
+import random
+
+from mlx_dflash.policy import BlockPolicy
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--cycles", type=int, default=500)
+parser.add_argument("--block-cost", type=float, default=2.7)
+args = parser.parse_args()
+
+
+def simulate(p1: float, pk: float, seed: int) -> tuple[int, int, int]:
+    rnd = random.Random(seed)
+    policy = BlockPolicy(16)
+    plain = blocks = forecasts = 0
+    for _ in range(args.cycles):
+        run, p = 0, p1  # drafted tokens the target would accept
+        while run < 15 and rnd.random() < p:
+            run, p = run + 1, pk
+        block = policy.choose()
+        forecast = policy.wants_forecast
+        plain += block == 1
+        blocks += block > 1
+        forecasts += forecast
+        policy.record(block, min(run, block - 1) + 1, (1.0 if block == 1 else args.block_cost) + 0.6 * forecast,
+                      forecast)
+        if forecast:
+            policy.start_forecast([0] * 15)
+        if policy.guess is not None:  # the token a plain step committed, against the next guess
+            policy.observe([0 if policy.guess_checked < run else 1])
+    return plain, blocks, forecasts
+
+
+for p1, pk in [(0.3, 0.2), (0.3, 0.5), (0.1, 0.1), (0.0, 0.0), (0.9, 0.9)]:
+    for seed in (0, 1):
+        plain, blocks, forecasts = simulate(p1, pk, seed)
+        print(f"P1 {p1}, PK {pk}, seed {seed}: {plain} plain ({forecasts} with a forecast), {blocks} blocks")
