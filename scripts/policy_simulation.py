@@ -1,33 +1,44 @@
 """The adaptive policy on a simulated pair: how many cycles it runs plain, as blocks, with forecasts.
 
-    python scripts/policy_simulation.py [--cycles 500] [--block-cost 2.7]
+    python scripts/policy_simulation.py [--cycles 500] [--block-cost 2.7] [--runs RESULTS_JSON ...]
 
 Each cycle the draft's true acceptance run is drawn at random (slot 1 accepted with probability
-P1, each later slot with PK, as long as the ones before were); a plain step costs 1, a block
+P1, each later slot with PK, as long as the ones before were), or, with ``--runs``, taken in turn
+from the fixed-block DFlash runs of `mlx-dflash bench` results (their acceptance lengths: real
+texts, where a hit at slot 1 makes hits further on likelier); a plain step costs 1, a block
 ``--block-cost`` (an H200 with SmolLM2-135M: a verified block ~2.7 plain steps), a forecast 0.6
 more. If the policy picks blocks here where plain decoding wins, its rule is wrong; if it does
 not here but does in a real generation, what it measures there is.
 """
 
 import argparse
+import itertools
+import json
 import random
+from typing import Iterator
 
 from mlx_dflash.policy import BlockPolicy
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--cycles", type=int, default=500)
 parser.add_argument("--block-cost", type=float, default=2.7)
+parser.add_argument("--runs", nargs="*", default=[], help="bench results.json files: replay their acceptance")
 args = parser.parse_args()
 
 
-def simulate(p1: float, pk: float, seed: int) -> tuple[int, int, int]:
+def random_runs(p1: float, pk: float, seed: int) -> Iterator[int]:
     rnd = random.Random(seed)
-    policy = BlockPolicy(16)
-    plain = blocks = forecasts = 0
-    for _ in range(args.cycles):
+    while True:
         run, p = 0, p1  # drafted tokens the target would accept
         while run < 15 and rnd.random() < p:
             run, p = run + 1, pk
+        yield run
+
+
+def simulate(runs: Iterator[int]) -> tuple[int, int, int]:
+    policy = BlockPolicy(16)
+    plain = blocks = forecasts = 0
+    for _, run in zip(range(args.cycles), runs):
         block = policy.choose()
         forecast = policy.wants_forecast
         plain += block == 1
@@ -42,7 +53,18 @@ def simulate(p1: float, pk: float, seed: int) -> tuple[int, int, int]:
     return plain, blocks, forecasts
 
 
+def report(name: str, counts: tuple[int, int, int]) -> None:
+    plain, blocks, forecasts = counts
+    print(f"{name}: {plain} plain ({forecasts} with a forecast), {blocks} blocks", flush=True)
+
+
 for p1, pk in [(0.3, 0.2), (0.3, 0.5), (0.1, 0.1), (0.0, 0.0), (0.9, 0.9)]:
     for seed in (0, 1):
-        plain, blocks, forecasts = simulate(p1, pk, seed)
-        print(f"P1 {p1}, PK {pk}, seed {seed}: {plain} plain ({forecasts} with a forecast), {blocks} blocks")
+        report(f"P1 {p1}, PK {pk}, seed {seed}", simulate(random_runs(p1, pk, seed)))
+for path in args.runs:
+    for run in json.load(open(path))["runs"]:
+        if run["method"] == "dflash":  # fixed 16-token blocks: each cycle's run of accepted drafts
+            lengths = run["acceptance_lengths"][:-1]  # (the last block may be cut by the length)
+            mean = sum(lengths) / len(lengths)
+            report(f"{path} prompt {run['prompt']} (mean acceptance {mean:.2f})",
+                   simulate(itertools.cycle(a - 1 for a in lengths)))

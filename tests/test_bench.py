@@ -72,6 +72,25 @@ def test_baselines_first_times_mlx_lm_before_any_dflash(tiny_dir, monkeypatch):
     assert all(m is True for m in summary["dflash@12"]["token_match"].values())
 
 
+def test_adaptive_runs_record_what_their_policy_saw(tiny_dir, tmp_path):
+    """Each adaptive run keeps its policy's view of every cycle (size, acceptance, measured
+    seconds, forecast), the evidence for why it chose its sizes; fixed runs keep none."""
+    path = make_tiny_target(tiny_dir / "bench-policy-qwen3", "qwen3")
+    model, tokenizer = load_tiny(path)
+    draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1, mask_token_id=MASK_ID)
+    prompts = [tokenizer.encode("one"), tokenizer.encode("two two")]
+    cfg = BenchConfig(lengths=[24], no_eos=True, warmup=False)
+    run_bench(model, tokenizer, prompts, {"dflash": draft, "dflash_adaptive": draft}, cfg, out_dir=tmp_path)
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    adaptive = [r for r in runs if r["method"] == "dflash_adaptive"]
+    assert len(adaptive) == 2 and all(not r["policy_cycles"] for r in runs if r["method"] != "dflash_adaptive")
+    for run in adaptive:
+        cycles = run["policy_cycles"]
+        assert len(cycles) == len(run["acceptance_lengths"])  # one per cycle (the prefill's token is none)
+        assert all(block in (1, 2, 4, 8, 16) and 1 <= a <= block and seconds > 0 for block, a, seconds, _ in cycles)
+        assert [a for _, a, _, _ in cycles][:-1] == run["acceptance_lengths"][:-1]
+
+
 @pytest.mark.parametrize("shape", ["tiny", "tiny-hybrid"])
 def test_scale_targets_have_a_steady_greedy_continuation(shape):
     """A replay needs a trajectory that bfloat16 rounding cannot flip: near-flat random logits

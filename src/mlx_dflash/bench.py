@@ -41,6 +41,7 @@ class Run:
     prefill_s: float  # time to first token
     decode_s: float
     acceptance_lengths: list[int] = field(default_factory=list)
+    policy_cycles: list[tuple[int, int, float, bool]] = field(default_factory=list)  # adaptive: BlockPolicy.history
 
     @property
     def decode_tps(self) -> float:
@@ -303,8 +304,11 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                     if name not in policies:
                         policies[name] = BlockPolicy(cfg.block_size or proposer.block_size)
                     adaptive = policies[name]
+                    adaptive.history = []
                 runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer,
                                                              cfg.block_size, sampling, adaptive)))
+                if isinstance(adaptive, BlockPolicy):
+                    runs[-1].policy_cycles, adaptive.history = adaptive.history, None
     finally:
         tokenizer.eos_token_ids = saved_eos
     block = cfg.block_size or max([getattr(p, "block_size", 16) for p in proposers.values()] + [16])

@@ -52,6 +52,9 @@ class BlockPolicy:
         self.sizes = candidate_sizes(max_block)
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
         self.samples: dict[int, int] = {}  # block size -> cycles seen (the first is not timed)
+        # (block, acceptance, seconds, forecast) of each recorded cycle, when a caller sets a list
+        # here (the benchmark, per generation: what the policy saw, to explain what it chose)
+        self.history: list[tuple[int, int, float, bool]] | None = None
         self.probe_every = PROBE_START
         self.wants_forecast = False  # set by ``choose``: draft a forecast beside this plain step
         self.start_text()
@@ -172,6 +175,8 @@ class BlockPolicy:
         """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall
         time; ``forecast``: it also drafted a forecast, so its time is not its size's."""
         self.cycles += 1
+        if self.history is not None:
+            self.history.append((block, acceptance, seconds, forecast))
         accepted = acceptance - 1
         for k in range(1, accepted + 1):
             self.slot_checked[k] += 1
