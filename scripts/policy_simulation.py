@@ -1,14 +1,17 @@
 """The adaptive policy on a simulated pair: how many cycles it runs plain, as blocks, with forecasts.
 
-    python scripts/policy_simulation.py [--cycles 500] [--block-cost 2.7] [--runs RESULTS_JSON ...]
+    python scripts/policy_simulation.py [--cycles 500] [--block-cost 2.7] [--switch-cost 1.0]
+        [--runs RESULTS_JSON ...]
 
 Each cycle the draft's true acceptance run is drawn at random (slot 1 accepted with probability
 P1, each later slot with PK, as long as the ones before were), or, with ``--runs``, taken in turn
 from the fixed-block DFlash runs of `mlx-dflash bench` results (their acceptance lengths: real
-texts, where a hit at slot 1 makes hits further on likelier); a plain step costs 1, a block
+texts, where a hit at slot 1 makes hits further on likelier); a plain step costs 1 (right
+after a block ``--switch-cost``: on a GPU that step takes the masked attention path), a block
 ``--block-cost`` (an H200 with SmolLM2-135M: a verified block ~2.7 plain steps), a forecast 0.6
-more. If the policy picks blocks here where plain decoding wins, its rule is wrong; if it does
-not here but does in a real generation, what it measures there is.
+more. Prints the cycles of each kind and the tokens per unit of cost (plain decoding: 1.0). If
+the policy picks blocks here where plain decoding wins, its rule is wrong; if it does not here
+but does in a real generation, what it measures there is.
 """
 
 import argparse
@@ -22,6 +25,7 @@ from mlx_dflash.policy import BlockPolicy
 parser = argparse.ArgumentParser()
 parser.add_argument("--cycles", type=int, default=500)
 parser.add_argument("--block-cost", type=float, default=2.7)
+parser.add_argument("--switch-cost", type=float, default=1.0, help="a plain step's cost right after a block")
 parser.add_argument("--runs", nargs="*", default=[], help="bench results.json files: replay their acceptance")
 args = parser.parse_args()
 
@@ -35,27 +39,32 @@ def random_runs(p1: float, pk: float, seed: int) -> Iterator[int]:
         yield run
 
 
-def simulate(runs: Iterator[int]) -> tuple[int, int, int]:
+def simulate(runs: Iterator[int]) -> tuple[int, int, int, float]:
     policy = BlockPolicy(16)
-    plain = blocks = forecasts = 0
+    plain = blocks = forecasts = tokens = 0
+    spent, previous = 0.0, 16
     for _, run in zip(range(args.cycles), runs):
         block = policy.choose()
         forecast = policy.wants_forecast
         plain += block == 1
         blocks += block > 1
         forecasts += forecast
-        policy.record(block, min(run, block - 1) + 1, (1.0 if block == 1 else args.block_cost) + 0.6 * forecast,
-                      forecast)
+        cost = (args.switch_cost if previous > 1 else 1.0) if block == 1 else args.block_cost
+        cost += 0.6 * forecast
+        acceptance = min(run, block - 1) + 1
+        spent, tokens, previous = spent + cost, tokens + acceptance, block
+        policy.record(block, acceptance, cost, forecast)
         if forecast:
             policy.start_forecast([0] * 15)
         if policy.guess is not None:  # the token a plain step committed, against the next guess
             policy.observe([0 if policy.guess_checked < run else 1])
-    return plain, blocks, forecasts
+    return plain, blocks, forecasts, tokens / spent
 
 
-def report(name: str, counts: tuple[int, int, int]) -> None:
-    plain, blocks, forecasts = counts
-    print(f"{name}: {plain} plain ({forecasts} with a forecast), {blocks} blocks", flush=True)
+def report(name: str, counts: tuple[int, int, int, float]) -> None:
+    plain, blocks, forecasts, rate = counts
+    print(f"{name}: {plain} plain ({forecasts} with a forecast), {blocks} blocks, {rate:.3f} tokens per plain "
+          f"step's cost", flush=True)
 
 
 for p1, pk in [(0.3, 0.2), (0.3, 0.5), (0.1, 0.1), (0.0, 0.0), (0.9, 0.9)]:

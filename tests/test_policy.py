@@ -38,6 +38,30 @@ def test_poor_draft_falls_back_to_plain_decoding_and_probes_rarely():
     assert set(chosen) == {1, "f", 16}  # 2, 4 and 8 cannot beat plain decoding: never tried
 
 
+def test_a_switchs_cost_is_not_charged_to_the_size_switched_to():
+    """On a GPU the plain step queued behind a block costs ~2 steady ones (it takes the masked
+    path); charged to plain decoding it made plain decoding look as dear as blocks, and a text
+    that turned unpredictable after a good start stayed on blocks. Only a cycle after one of its
+    own size is timed."""
+    policy = BlockPolicy(16)
+    # drafted tokens accepted: a good start, then a poor draft (0.64 a block) with a few longer runs
+    runs = [4] * 17 + [0, 0, 0, 1, 0, 0, 2, 0, 0, 0, 5, 0, 0, 1] * 40
+    chosen, previous = [], 16
+    for run in runs[:500]:
+        block = policy.choose()
+        forecast = policy.wants_forecast
+        cost = 2.7 if block > 1 else 2.0 if previous > 1 else 1.0
+        policy.record(block, min(run, block - 1) + 1, cost + 0.6 * forecast, forecast)
+        if forecast:
+            policy.start_forecast([0] * 15)
+        if policy.guess is not None:
+            policy.observe([0 if policy.guess_checked < run else 1])
+        chosen.append(block)
+        previous = block
+    assert policy.seconds[1] == 1.0 and policy.seconds[16] == 2.7
+    assert chosen[200:].count(1) > 0.9 * 300, chosen[200:].count(1)
+
+
 def test_policy_climbs_back_when_the_text_becomes_predictable():
     policy = BlockPolicy(16)
     useless = drive(policy, lambda b: 1, lambda b: 1.0 + 0.02 * b, 150)

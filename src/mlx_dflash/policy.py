@@ -51,7 +51,7 @@ class BlockPolicy:
         self.max_block = max_block
         self.sizes = candidate_sizes(max_block)
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
-        self.samples: dict[int, int] = {}  # block size -> cycles seen (the first is not timed)
+        self.samples: dict[int, int] = {}  # block size -> cycles seen
         # (block, acceptance, seconds, forecast) of each recorded cycle, when a caller sets a list
         # here (the benchmark, per generation: what the policy saw, to explain what it chose)
         self.history: list[tuple[int, int, float, bool]] | None = None
@@ -65,6 +65,7 @@ class BlockPolicy:
         self.plain_won = getattr(self, "cycles", 0) > 0 and 1 in self.seconds and self.best(self.sizes) == 1
         if not self.plain_won:  # a draft that won lands on sizes it may outgrow: probe as often as at first
             self.probe_every = PROBE_START
+        self.previous_block: int | None = None  # the latest cycle's size (a text's first cycle is not timed)
         self.slot_checked = [0] * self.max_block  # slot k: cycles whose slots 1..k-1 were all accepted
         self.slot_accepted = [0] * self.max_block
         self.cycles = 0  # cycles recorded
@@ -186,11 +187,17 @@ class BlockPolicy:
         if block not in self.sizes:  # a block of another size (a caller's own limit): no cost to learn
             return
         self.samples[block] = self.samples.get(block, 0) + 1
-        # A size's first cycle carries one-off costs (CPU, SmolLM2: 142 ms for the first plain
-        # step vs ~80); such outliers steered the policy wrong for a dozen cycles, so it is not timed.
-        if self.samples[block] > 1 and not forecast:
+        # Only a cycle after one of its own size is timed: a size's steady cost. The first cycle
+        # of a size carries one-off costs (CPU, SmolLM2: 142 ms for the first plain step vs ~80),
+        # and so does a switch: on a GPU the plain step queued behind a block is built before the
+        # block's count is read, so it takes the masked attention path (887 primitives instead of
+        # 634). Charged to plain decoding, that kept it looking as dear as blocks, and a text past
+        # its end (acceptance ~1.5) ran on blocks at half mlx-lm's speed (H200, fourteenth
+        # session; `scripts/policy_simulation.py` reproduces it with such a switch cost).
+        if self.previous_block == block and not forecast:
             old = self.seconds.get(block)
             self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.previous_block = block
         if block == self.probing:  # a probe lost: look less often; it won: it is the new best
             self.probing = None
             won = self.best(self.sizes) >= block
