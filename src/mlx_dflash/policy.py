@@ -184,6 +184,7 @@ class BlockPolicy:
             self.slot_accepted[k] += 1
         if accepted + 1 < block:  # the first rejected slot
             self.slot_checked[accepted + 1] += 1
+        steady, self.previous_block = self.previous_block == block, block
         if block not in self.sizes:  # a block of another size (a caller's own limit): no cost to learn
             return
         self.samples[block] = self.samples.get(block, 0) + 1
@@ -194,10 +195,9 @@ class BlockPolicy:
         # 634). Charged to plain decoding, that kept it looking as dear as blocks, and a text past
         # its end (acceptance ~1.5) ran on blocks at half mlx-lm's speed (H200, fourteenth
         # session; `scripts/policy_simulation.py` reproduces it with such a switch cost).
-        if self.previous_block == block and not forecast:
+        if steady and not forecast:
             old = self.seconds.get(block)
             self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        self.previous_block = block
         if block == self.probing:  # a probe lost: look less often; it won: it is the new best
             self.probing = None
             won = self.best(self.sizes) >= block
