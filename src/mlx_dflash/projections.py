@@ -13,7 +13,9 @@ block forward (``Target``'s compiled blocks), per model instance, no class patch
   batch of matrix-vector products with the weight broadcast, which MLX runs as its own gemv kernel
   (one graph node, no cuBLAS), the kernel of mlx-lm's one-token step: each row's product is then
   the step's bit for bit (``scripts/gemv_rows.py``: 30 layers' projections of 16 rows launched in
-  1.98 ms instead of 3.26 ms, compiled). On the CPU it is several times slower: off there.
+  1.98 ms instead of 3.26 ms, compiled). A whole verify did not launch faster (H200, BENCHMARKS.md,
+  fourteenth session): it is here for exactness, fewer bf16 near-ties decided differently from
+  mlx-lm's steps. On the CPU it is several times slower: off there.
 
 Outside a trace the model runs its own modules, so mlx-lm's steps (and ours) pay nothing.
 """
