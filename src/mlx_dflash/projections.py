@@ -55,9 +55,8 @@ class _PackedGroup:
     """The packed layer of one group, and its product for the latest input (the group's
     members are called one after the other with the same input array)."""
 
-    def __init__(self, packed: nn.Module):
-        self.packed = packed
-        self.rowwise = False
+    def __init__(self, packed: nn.Module, rowwise: bool):
+        self.packed, self.rowwise = packed, rowwise
         self.latest_input: Optional[mx.array] = None
         self.latest_output: Optional[mx.array] = None
 
@@ -106,7 +105,6 @@ class BlockProjections:
     duration of a trace."""
 
     def __init__(self, model: nn.Module, pack: bool, rowwise: bool):
-        self.rowwise = rowwise
         self.swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, name, own, installed)
         self.embeddings: list[nn.Embedding] = []  # tied heads: ``as_linear`` row by row
         grouped = set()
@@ -114,7 +112,7 @@ class BlockProjections:
             for names in GROUPS if pack else ():
                 members = [getattr(module, name, None) for name in names]
                 if all(isinstance(m, nn.Module) for m in members) and _packable(members):
-                    self._pack(module, names, members)
+                    self._pack(module, names, members, rowwise)
                     grouped.update(id(m) for m in members)
         for module in model.modules() if rowwise else ():
             for name, child in module.children().items():
@@ -123,13 +121,13 @@ class BlockProjections:
             if type(module) is nn.Embedding:
                 self.embeddings.append(module)
 
-    def _pack(self, parent: nn.Module, names: tuple[str, ...], linears: list[nn.Module]) -> None:
+    def _pack(self, parent: nn.Module, names: tuple[str, ...], linears: list[nn.Module], rowwise: bool) -> None:
         packed = copy.copy(linears[0])
         for key in WEIGHTS:
             if key in linears[0]:
                 packed[key] = mx.concatenate([x[key] for x in linears], axis=0)
         mx.eval(packed.parameters())
-        group = _PackedGroup(packed)
+        group = _PackedGroup(packed, rowwise)
         start = 0
         for name, linear in zip(names, linears):
             end = start + linear.weight.shape[0]
@@ -144,8 +142,6 @@ class BlockProjections:
     def installed(self) -> Iterator[None]:
         for parent, name, _, replacement in self.swaps:
             setattr(parent, name, replacement)
-            if isinstance(replacement, PackedProjection):
-                replacement.group.rowwise = self.rowwise
         for embedding in self.embeddings:
             embedding.as_linear = lambda x, weight=embedding.weight: rowwise_product(x, weight)
         try:
