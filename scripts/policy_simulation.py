@@ -7,7 +7,8 @@ Each cycle the draft's true acceptance run is drawn at random (slot 1 accepted w
 P1, each later slot with PK, as long as the ones before were), or, with ``--runs``, taken in turn
 from the fixed-block DFlash runs of `mlx-dflash bench` results (their acceptance lengths: real
 texts, where a hit at slot 1 makes hits further on likelier); a plain step costs 1 (right
-after a block ``--switch-cost``: on a GPU that step takes the masked attention path), a block
+after a block ``--switch-cost``: on a GPU that step takes the masked attention path; in a text's
+first cycles ``--early-plain-cost``), a block
 ``--block-cost`` (an H200 with SmolLM2-135M: a verified block ~2.7 plain steps whatever its size;
 this CPU: 1.43 1.8 2.27 3.13 for 2, 4, 8, 16), a forecast 0.6
 more. Prints the cycles of each kind and the tokens per unit of cost (plain decoding: 1.0). If
@@ -28,6 +29,9 @@ parser.add_argument("--cycles", type=int, default=500)
 parser.add_argument("--block-cost", type=float, nargs="+", default=[2.7],
                     help="a block's cost in plain steps: one for every size, or one each for 2, 4, 8, 16")
 parser.add_argument("--switch-cost", type=float, default=1.0, help="a plain step's cost right after a block")
+parser.add_argument("--early-plain-cost", type=float, default=1.0,
+                    help="a plain step's cost in a text's first --early-cycles cycles (H200: 7.7 / 5.3 ms)")
+parser.add_argument("--early-cycles", type=int, default=12)
 parser.add_argument("--runs", nargs="*", default=[], help="bench results.json files: replay their acceptance")
 args = parser.parse_args()
 BLOCK_COST = dict(zip([2, 4, 8, 16], args.block_cost * 4 if len(args.block_cost) == 1 else args.block_cost))
@@ -46,13 +50,14 @@ def simulate(runs: Iterator[int]) -> tuple[int, int, int, float]:
     policy = BlockPolicy(16)
     plain = blocks = forecasts = tokens = 0
     spent, previous = 0.0, 16
-    for _, run in zip(range(args.cycles), runs):
+    for cycle, run in zip(range(args.cycles), runs):
         block = policy.choose()
         forecast = policy.wants_forecast
         plain += block == 1
         blocks += block > 1
         forecasts += forecast
-        cost = (args.switch_cost if previous > 1 else 1.0) if block == 1 else BLOCK_COST[block]
+        steady_plain = args.early_plain_cost if cycle < args.early_cycles else 1.0
+        cost = (args.switch_cost if previous > 1 else steady_plain) if block == 1 else BLOCK_COST[block]
         cost += 0.6 * forecast
         acceptance = min(run, block - 1) + 1
         spent, tokens, previous = spent + cost, tokens + acceptance, block

@@ -62,6 +62,36 @@ def test_a_switchs_cost_is_not_charged_to_the_size_switched_to():
     assert chosen[200:].count(1) > 0.9 * 300, chosen[200:].count(1)
 
 
+def test_a_stale_plain_cost_is_timed_again():
+    """H200, past a text's end: plain steps timed early in the text cost 7.7 ms, later 5.3; the
+    policy kept the early cost and 16-token blocks (10.8 ms) at acceptance ~1.5, 0.51x of
+    mlx-lm. While blocks win by less than RETIME_MARGIN, a probe times plain decoding again."""
+    policy = BlockPolicy(16)
+    runs = [12] * 8 + [0, 0, 1, 0, 2, 0, 0, 1] * 60  # drafted tokens accepted: a good start, then poor
+    chosen, previous = [], 16
+    for cycle, run in enumerate(runs):
+        block = policy.choose()
+        forecast = policy.wants_forecast
+        plain = 7.7 if cycle < 12 else 5.3  # the text's first plain steps are dear
+        cost = 10.8 if block > 1 else 10.0 if previous > 1 else plain
+        policy.record(block, min(run, block - 1) + 1, cost + 3.0 * forecast, forecast)
+        if forecast:
+            policy.start_forecast([0] * 15)
+        if policy.guess is not None:
+            policy.observe([0 if policy.guess_checked < run else 1])
+        chosen.append(block)
+        previous = block
+    assert chosen[:12].count(1) >= 2  # plain decoding was timed early, at its dear cost
+    assert chosen[-200:].count(1) > 0.9 * 200, chosen[-200:].count(1)
+
+
+def test_good_draft_is_not_retimed():
+    """A draft that wins by far runs no re-time probes (they cost plain steps)."""
+    policy = BlockPolicy(16)
+    chosen = drive(policy, lambda b: 12, lambda b: 2.0 if b > 1 else 1.0, 200)
+    assert chosen[20:].count(16) == 180
+
+
 def test_policy_climbs_back_when_the_text_becomes_predictable():
     policy = BlockPolicy(16)
     useless = drive(policy, lambda b: 1, lambda b: 1.0 + 0.02 * b, 150)

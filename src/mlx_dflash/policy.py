@@ -10,7 +10,10 @@ decoding (no draft pass). Where a verify costs the same for 1 or 16 tokens (a GP
 full blocks win; where it grows with the block (a CPU) a weak draft is best used
 with short blocks. While a smaller size wins, the next size up is still tried now
 and then (less often each time it loses; a cheaper probe than a full block) so the
-policy notices, one size at a time, when the text becomes predictable.
+policy notices, one size at a time, when the text becomes predictable. And while blocks win
+by little, such a probe runs plain decoding again instead: its cost, timed early in a text, can
+be far off later (H200: 7.7 ms, later 5.3), and a policy that believed the early cost kept
+16-token blocks at acceptance ~1.5, half plain decoding's speed.
 
 While plain decoding wins, a probe is a *forecast*: one draft pass beside a plain step,
 whose guess is checked slot by slot against the tokens plain decoding then commits, until
@@ -35,6 +38,10 @@ from __future__ import annotations
 PROBE_START = 16  # cycles between probes, doubled after each losing probe
 PROBE_MAX = 256
 WARMUP_CYCLES = 2  # full blocks first (the first is not timed), to learn the text's acceptance
+# A plain step's cost may have drifted this much since it was last timed (H200: 7.7 ms early in a
+# text, 5.3 ms later): while blocks win by less, a probe runs plain decoding again to re-time it.
+RETIME_MARGIN = 1.5
+RETIME_STEPS = 3  # such a probe's plain steps: the switch (not timed) and two timed ones
 
 
 def candidate_sizes(max_block: int) -> list[int]:
@@ -66,12 +73,14 @@ class BlockPolicy:
         if not self.plain_won:  # a draft that won lands on sizes it may outgrow: probe as often as at first
             self.probe_every = PROBE_START
         self.previous_block: int | None = None  # the latest cycle's size (a text's first cycle is not timed)
+        self.timed_previous: int | None = None  # the latest cycle's size if that cycle was timed
         self.slot_checked = [0] * self.max_block  # slot k: cycles whose slots 1..k-1 were all accepted
         self.slot_accepted = [0] * self.max_block
         self.cycles = 0  # cycles recorded
         self.chosen = 0  # sizes chosen: one ahead of ``cycles`` when the engine queues the next cycle early
         self.since_probe = 0
-        self.probing: int | None = None  # the size being probed, one above the best
+        self.probing: int | None = None  # the size being probed: one above the best, or 1 (a re-time)
+        self.retiming = 0  # plain steps still to run for a re-time of plain decoding
         self.forecasting = False  # a forecast was asked for and is not settled yet
         self.forecast_is_probe = False
         self.guess: list[int] | None = None  # the forecast's tokens, once drafted
@@ -123,18 +132,26 @@ class BlockPolicy:
             return largest  # warm-up: the largest block that fits, until one drafting size is timed
         if 1 not in self.seconds:
             return 1
+        if self.retiming:
+            self.retiming -= 1
+            return 1
         best = self.best(sizes)
         best_rate = self.rate(best)
         untimed = [size for size in sizes if size not in self.seconds and self.worth_timing(size, best_rate)]
         if untimed:
             return untimed[0]
-        if best == largest:
+        retime = best > 1 and RETIME_MARGIN * self.rate(1) > best_rate  # plain decoding may be cheaper now
+        if best == largest and not retime:
             return best
         self.since_probe += 1
         if self.since_probe >= self.probe_every and not self.forecasting:  # look one size up now and then
             self.since_probe = 0
             if best == 1:
                 return self._forecast(probe=True)
+            if retime:  # (before looking up: a floor that holds matters more than a block that grows)
+                self.retiming = RETIME_STEPS - 1
+                self.probing = 1
+                return 1
             self.probing = sizes[sizes.index(best) + 1]
             return self.probing
         return best
@@ -195,10 +212,15 @@ class BlockPolicy:
         # 634). Charged to plain decoding, that kept it looking as dear as blocks, and a text past
         # its end (acceptance ~1.5) ran on blocks at half mlx-lm's speed (H200, fourteenth
         # session; `scripts/policy_simulation.py` reproduces it with such a switch cost).
+        # A size run again after others may cost something else now (the machine, the context,
+        # warm-up costs: H200, a plain step 7.7 ms early in a text, 5.3 ms later), so the first
+        # steady cycle of a run starts its average afresh; the run's later cycles smooth it.
         if steady and not forecast:
-            old = self.seconds.get(block)
-            self.seconds[block] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        if block == self.probing:  # a probe lost: look less often; it won: it is the new best
+            within_run = self.timed_previous == block and block in self.seconds
+            self.seconds[block] = 0.8 * self.seconds[block] + 0.2 * seconds if within_run else seconds
+        self.timed_previous = block if steady and not forecast else None
+        if block == self.probing and (block > 1 or steady):  # a probe lost: look less often; it won: it is the new best
             self.probing = None
-            won = self.best(self.sizes) >= block
+            best = self.best(self.sizes)
+            won = best == 1 if block == 1 else best >= block
             self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
