@@ -81,6 +81,10 @@ class BlockPolicy:
         self.since_probe = 0
         self.probing: int | None = None  # the size being probed: one above the best, or 1 (a re-time)
         self.retiming = 0  # plain steps still to run for a re-time of plain decoding
+        # Re-times back off on their own, per text: the probes' back-off can carry over from a
+        # text where plain decoding won, and kept a re-time from ever coming in the next one.
+        self.since_retime = 0
+        self.retime_every = PROBE_START
         self.forecasting = False  # a forecast was asked for and is not settled yet
         self.forecast_is_probe = False
         self.guess: list[int] | None = None  # the forecast's tokens, once drafted
@@ -140,18 +144,18 @@ class BlockPolicy:
         untimed = [size for size in sizes if size not in self.seconds and self.worth_timing(size, best_rate)]
         if untimed:
             return untimed[0]
-        retime = best > 1 and RETIME_MARGIN * self.rate(1) > best_rate  # plain decoding may be cheaper now
-        if best == largest and not retime:
+        if best > 1 and RETIME_MARGIN * self.rate(1) > best_rate:  # plain decoding may be cheaper now
+            self.since_retime += 1
+            if self.since_retime >= self.retime_every and not self.forecasting:
+                self.since_retime, self.retiming, self.probing = 0, RETIME_STEPS - 1, 1
+                return 1
+        if best == largest:
             return best
         self.since_probe += 1
         if self.since_probe >= self.probe_every and not self.forecasting:  # look one size up now and then
             self.since_probe = 0
             if best == 1:
                 return self._forecast(probe=True)
-            if retime:  # (before looking up: a floor that holds matters more than a block that grows)
-                self.retiming = RETIME_STEPS - 1
-                self.probing = 1
-                return 1
             self.probing = sizes[sizes.index(best) + 1]
             return self.probing
         return best
@@ -219,8 +223,11 @@ class BlockPolicy:
             within_run = self.timed_previous == block and block in self.seconds
             self.seconds[block] = 0.8 * self.seconds[block] + 0.2 * seconds if within_run else seconds
         self.timed_previous = block if steady and not forecast else None
-        if block == self.probing and (block > 1 or steady):  # a probe lost: look less often; it won: it is the new best
+        if block == self.probing and block > 1:  # a probe lost: look less often; it won: it is the new best
             self.probing = None
-            best = self.best(self.sizes)
-            won = best == 1 if block == 1 else best >= block
+            won = self.best(self.sizes) >= block
             self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
+        elif block == self.probing and steady:  # a re-time: the same, on its own schedule
+            self.probing = None
+            won = self.best(self.sizes) == 1
+            self.retime_every = PROBE_START if won else min(2 * self.retime_every, PROBE_MAX)
