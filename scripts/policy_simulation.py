@@ -22,6 +22,7 @@ import json
 import random
 from typing import Iterator
 
+from mlx_dflash import policy as policy_module
 from mlx_dflash.policy import BlockPolicy
 
 parser = argparse.ArgumentParser()
@@ -32,8 +33,10 @@ parser.add_argument("--switch-cost", type=float, default=1.0, help="a plain step
 parser.add_argument("--early-plain-cost", type=float, default=1.0,
                     help="a plain step's cost in a text's first --early-cycles cycles (H200: 7.7 / 5.3 ms)")
 parser.add_argument("--early-cycles", type=int, default=12)
+parser.add_argument("--slot-decay", type=float, default=policy_module.SLOT_DECAY)
 parser.add_argument("--runs", nargs="*", default=[], help="bench results.json files: replay their acceptance")
 args = parser.parse_args()
+policy_module.SLOT_DECAY = args.slot_decay
 BLOCK_COST = dict(zip([2, 4, 8, 16], args.block_cost * 4 if len(args.block_cost) == 1 else args.block_cost))
 
 

@@ -1,10 +1,13 @@
 """The adaptive block policy: plain decoding when drafts lose, full blocks when they win,
 short blocks when a verify costs more with each token and the draft is weak."""
 
+import itertools
+
 import pytest
 from tiny_models import VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import generate
+from mlx_dflash import policy as policy_module
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import PROBE_MAX, PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes
 from mlx_dflash.replay import ReplayProposer
@@ -102,6 +105,17 @@ def test_a_stale_plain_cost_is_timed_again_after_a_text_plain_decoding_won():
     assert chosen[-200:].count(1) > 0.9 * 200, chosen[-200:].count(1)
 
 
+def test_a_text_that_turns_poor_falls_back_after_a_long_good_start():
+    """Acceptance statistics fade (SLOT_DECAY a cycle): a text whose answer ends after a long
+    predictable stretch (H200 and CPU, `bench --no-eos`) otherwise kept blocks for as long as
+    its good start outweighed the poor cycles since."""
+    policy = BlockPolicy(16)
+    drive(policy, lambda b: 12, lambda b: 2.0 if b > 1 else 1.0, 100)
+    poor = itertools.cycle([1, 1, 2, 1, 3, 1, 1, 2])  # 1.5 tokens a block: plain decoding wins
+    chosen = drive(policy, lambda b: min(next(poor), b), lambda b: 2.0 if b > 1 else 1.0, 300)
+    assert chosen[-100:].count(1) > 85, chosen[-100:].count(1)
+
+
 def test_good_draft_is_not_retimed():
     """A draft that wins by far runs no re-time probes (they cost plain steps)."""
     policy = BlockPolicy(16)
@@ -131,7 +145,8 @@ def test_weak_draft_with_growing_verify_cost_picks_short_blocks():
     assert abs(policy.expected_tokens(4) - 3.0) < 1e-9 and abs(policy.expected_tokens(2) - 2.0) < 1e-9
 
 
-def test_slot_statistics_use_short_blocks_too():
+def test_slot_statistics_use_short_blocks_too(monkeypatch):
+    monkeypatch.setattr(policy_module, "SLOT_DECAY", 1.0)  # what is counted, without the fading
     policy = BlockPolicy(16)
     for _ in range(10):
         policy.record(4, 4, 0.1)  # all 3 drafted slots accepted: slot 4 never checked
@@ -225,9 +240,10 @@ def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):
         assert result.tokens == reference[:max_tokens]
 
 
-def test_short_blocks_check_the_slot_after_them(tiny_dir):
+def test_short_blocks_check_the_slot_after_them(tiny_dir, monkeypatch):
     """A draft proposes one token past a short block; when the block is wholly accepted, that
     token is checked against the block's bonus token (the slot after the block)."""
+    monkeypatch.setattr(policy_module, "SLOT_DECAY", 1.0)  # what is counted, without the fading
     policy = BlockPolicy(16)
     policy.record(4, 4, 1.0)
     policy.start_forecast([7], first_slot=4)
@@ -248,9 +264,10 @@ def test_short_blocks_check_the_slot_after_them(tiny_dir):
     assert result.tokens == reference[:33] and policy.slot_checked[4] > 0
 
 
-def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir):
+def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir, monkeypatch):
     """The forecast drafted beside a plain step records the acceptance a block would have had
     (the replayed guesses are right for 5 slots, then wrong); the output stays mlx-lm's."""
+    monkeypatch.setattr(policy_module, "SLOT_DECAY", 1.0)  # what is counted, without the fading
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-forecast", "qwen3", "forecast", 40)
     policy = BlockPolicy(16)
     policy.seconds = {size: 1.0 if size == 1 else 100.0 for size in policy.sizes}  # plain decoding wins
