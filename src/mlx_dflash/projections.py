@@ -9,13 +9,14 @@ block forward (``Target``'s compiled blocks), per model instance, no class patch
 - **Packed**: an attention layer computes q, k and v from one input, an MLP its gate and up. Each
   group's matrices are packed into one (the members' weights become views of it: no extra
   memory), multiplied once and the product split: three matmuls a layer fewer.
-- **Row by row** (``ROWWISE_PRODUCTS``, GPUs by default): ``x @ W.T`` as ``W @ x[..., None]``, a
-  batch of matrix-vector products with the weight broadcast, which MLX runs as its own gemv kernel
-  (one graph node, no cuBLAS), the kernel of mlx-lm's one-token step: each row's product is then
-  the step's bit for bit (``scripts/gemv_rows.py``: 30 layers' projections of 16 rows launched in
-  1.98 ms instead of 3.26 ms, compiled). A whole verify did not launch faster (H200, BENCHMARKS.md,
-  fourteenth session): it is here for exactness, fewer bf16 near-ties decided differently from
-  mlx-lm's steps. On the CPU it is several times slower: off there.
+- **Row by row** (``ROWWISE_PRODUCTS``; by default on GPUs, for models up to ``ROWWISE_MAX_BYTES``):
+  ``x @ W.T`` as ``W @ x[..., None]``, a batch of matrix-vector products with the weight
+  broadcast, which MLX runs as its own gemv kernel (one graph node, no cuBLAS), the kernel of
+  mlx-lm's one-token step: each row's product is then the step's bit for bit
+  (``scripts/gemv_rows.py``: 30 layers' projections of 16 rows launched in 1.98 ms instead of
+  3.26 ms, compiled). A whole verify did not launch faster (H200, BENCHMARKS.md, fourteenth
+  session): it is here for exactness, fewer bf16 near-ties decided differently from mlx-lm's
+  steps. It reads each weight once per row, so larger models and the CPU keep one matmul.
 
 Outside a trace the model runs its own modules, so mlx-lm's steps (and ours) pay nothing.
 """
@@ -35,7 +36,14 @@ from .device import on_gpu
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 WEIGHTS = ("weight", "scales", "biases", "bias")  # what a (quantized) linear layer may hold
 PACK_PROJECTIONS = True  # in compiled blocks (False: separate matmuls there too, to measure the difference)
-ROWWISE_PRODUCTS: Optional[bool] = None  # plain (unquantized) projections row by row; None: on GPUs
+ROWWISE_PRODUCTS: Optional[bool] = None  # plain (unquantized) projections row by row; None: see below
+# Row by row, a block reads each weight once per row where it does not stay in the GPU's cache
+# (H200, a 248,320 x 4,096 bf16 head, 16 rows: 7.4 ms, against 0.75 ms as one matmul;
+# scripts/head_costs.py). For a model of at most this many bytes of plain weights that is device
+# time hidden under the host's launches (SmolLM2-135M bf16, ~270 MB: 16 reads ~1.4 ms of an H200's
+# bandwidth, a verify's launch ~8 ms); a larger model would turn its verify bandwidth-bound, so
+# by default (None) only GPUs and models up to this size run row by row.
+ROWWISE_MAX_BYTES = 512 * 2**20
 
 
 def rowwise_product(x: mx.array, weight: mx.array) -> mx.array:
@@ -156,8 +164,16 @@ class BlockProjections:
                     replacement.group.latest_input = replacement.group.latest_output = None
 
 
+def plain_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's unquantized linear and embedding weights: what row-by-row products
+    would read once per row."""
+    return sum(m.weight.nbytes for m in model.modules() if type(m) in (nn.Linear, nn.Embedding))
+
+
 def block_projections(model: nn.Module) -> BlockProjections:
     """``model``'s projections for compiled blocks, as ``PACK_PROJECTIONS`` and
     ``ROWWISE_PRODUCTS`` say; the model computes as before until ``installed()``."""
-    rowwise = on_gpu() if ROWWISE_PRODUCTS is None else ROWWISE_PRODUCTS
+    rowwise = ROWWISE_PRODUCTS
+    if rowwise is None:
+        rowwise = on_gpu() and plain_weight_bytes(model) <= ROWWISE_MAX_BYTES
     return BlockProjections(model, pack=PACK_PROJECTIONS, rowwise=rowwise)
