@@ -47,7 +47,7 @@ RETIME_STEPS = 3  # such a probe's plain steps: the switch (not timed) and two t
 # otherwise kept blocks for as long as its good start outweighed the poor cycles since.
 # `scripts/policy_simulation.py --slot-decay` over the H200's and this CPU's bench runs: 0.98
 # moved such texts 0.972/0.977 -> 0.994/0.990 (H200 costs) and 1.003/0.995 -> 1.022/1.015 (CPU)
-# of plain decoding's rate, and good texts by -0.4% to +1.9%; 0.95 cost the CPU's up to 7%.
+# of plain decoding's rate, and texts with answers by -0.8% to +1.9%; 0.95 cost the CPU's up to 7%.
 SLOT_DECAY = 0.98
 
 
