@@ -116,6 +116,21 @@ def test_a_text_that_turns_poor_falls_back_after_a_long_good_start():
     assert chosen[-100:].count(1) > 85, chosen[-100:].count(1)
 
 
+def test_a_runs_first_cycle_resets_a_cost_only_downwards():
+    """The first steady cycle of a size's run replaces its cost when cheaper (the cost was timed
+    when steps were dearer) and only moves it a little when dearer (a one-off: a new trace)."""
+    policy = BlockPolicy(16)
+    for block, seconds in [(1, 9.0), (1, 2.0), (1, 2.0)]:  # a plain run: 2.0 after the switch
+        policy.record(block, 1, seconds)
+    assert policy.seconds[1] == 2.0
+    for block, seconds in [(16, 5.0), (16, 5.0), (1, 9.0), (1, 10.0)]:  # a dear first steady step
+        policy.record(block, 1, seconds)
+    assert policy.seconds[1] == 0.8 * 2.0 + 0.2 * 10.0
+    for block, seconds in [(16, 5.0), (1, 9.0), (1, 1.0), (1, 2.0)]:  # a cheap one: believed at once
+        policy.record(block, 1, seconds)
+    assert policy.seconds[1] == 0.8 * 1.0 + 0.2 * 2.0
+
+
 def test_good_draft_is_not_retimed():
     """A draft that wins by far runs no re-time probes (they cost plain steps)."""
     policy = BlockPolicy(16)

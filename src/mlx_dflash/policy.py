@@ -225,12 +225,15 @@ class BlockPolicy:
         # 634). Charged to plain decoding, that kept it looking as dear as blocks, and a text past
         # its end (acceptance ~1.5) ran on blocks at half mlx-lm's speed (H200, fourteenth
         # session; `scripts/policy_simulation.py` reproduces it with such a switch cost).
-        # A size run again after others may cost something else now (the machine, the context,
-        # warm-up costs: H200, a plain step 7.7 ms early in a text, 5.3 ms later), so the first
-        # steady cycle of a run starts its average afresh; the run's later cycles smooth it.
+        # A size run again after others may cost less now than when it was timed (warm-up costs:
+        # H200, a plain step 7.7 ms early in a text, 5.3 ms later), so the first steady cycle of
+        # a run that is cheaper than believed is believed at once. Dearer cycles only move the
+        # average a little: one-off costs (a new compiled trace when the key buffers grow, the
+        # machine's hiccups) only ever make a cycle dearer.
         if steady and not forecast:
-            within_run = self.timed_previous == block and block in self.seconds
-            self.seconds[block] = 0.8 * self.seconds[block] + 0.2 * seconds if within_run else seconds
+            old = self.seconds.get(block)
+            fresh = old is None or (self.timed_previous != block and seconds < old)
+            self.seconds[block] = seconds if fresh else 0.8 * old + 0.2 * seconds
         self.timed_previous = block if steady and not forecast else None
         if block == self.probing and block > 1:  # a probe lost: look less often; it won: it is the new best
             self.probing = None
