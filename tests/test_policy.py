@@ -41,6 +41,24 @@ def test_poor_draft_falls_back_to_plain_decoding_and_probes_rarely():
     assert set(chosen) == {1, "f", 16}  # 2, 4 and 8 cannot beat plain decoding: never tried
 
 
+def run_text(policy, runs, cost, forecast_cost):
+    """The policy over a text whose cycles' runs of drafted tokens the target would accept are
+    ``runs``; ``cost(cycle, block, previous_block)``: a cycle's seconds. The sizes chosen."""
+    chosen, previous = [], 16
+    for cycle, run in enumerate(runs):
+        block = policy.choose()
+        forecast = policy.wants_forecast
+        seconds = cost(cycle, block, previous) + forecast_cost * forecast
+        policy.record(block, min(run, block - 1) + 1, seconds, forecast)
+        if forecast:
+            policy.start_forecast([0] * 15)
+        if policy.guess is not None:
+            policy.observe([0 if policy.guess_checked < run else 1])
+        chosen.append(block)
+        previous = block
+    return chosen
+
+
 def test_a_switchs_cost_is_not_charged_to_the_size_switched_to():
     """On a GPU the plain step queued behind a block costs ~2 steady ones (it takes the masked
     path); charged to plain decoding it made plain decoding look as dear as blocks, and a text
@@ -49,18 +67,10 @@ def test_a_switchs_cost_is_not_charged_to_the_size_switched_to():
     policy = BlockPolicy(16)
     # drafted tokens accepted: a good start, then a poor draft (0.64 a block) with a few longer runs
     runs = [4] * 17 + [0, 0, 0, 1, 0, 0, 2, 0, 0, 0, 5, 0, 0, 1] * 40
-    chosen, previous = [], 16
-    for run in runs[:500]:
-        block = policy.choose()
-        forecast = policy.wants_forecast
-        cost = 2.7 if block > 1 else 2.0 if previous > 1 else 1.0
-        policy.record(block, min(run, block - 1) + 1, cost + 0.6 * forecast, forecast)
-        if forecast:
-            policy.start_forecast([0] * 15)
-        if policy.guess is not None:
-            policy.observe([0 if policy.guess_checked < run else 1])
-        chosen.append(block)
-        previous = block
+    def cost(cycle: int, block: int, previous: int) -> float:
+        return 2.7 if block > 1 else 2.0 if previous > 1 else 1.0
+
+    chosen = run_text(policy, runs[:500], cost, 0.6)
     assert policy.seconds[1] == 1.0 and policy.seconds[16] == 2.7
     assert chosen[200:].count(1) > 0.9 * 300, chosen[200:].count(1)
 
@@ -70,20 +80,12 @@ def run_stale_plain_cost_text(policy):
     policy kept the early cost and 16-token blocks (10.8 ms) at acceptance ~1.5, 0.51x of
     mlx-lm. The sizes chosen in such a text."""
     runs = [12] * 8 + [0, 0, 1, 0, 2, 0, 0, 1] * 60  # drafted tokens accepted: a good start, then poor
-    chosen, previous = [], 16
-    for cycle, run in enumerate(runs):
-        block = policy.choose()
-        forecast = policy.wants_forecast
+
+    def cost(cycle: int, block: int, previous: int) -> float:
         plain = 7.7 if cycle < 12 else 5.3  # the text's first plain steps are dear
-        cost = 10.8 if block > 1 else 10.0 if previous > 1 else plain
-        policy.record(block, min(run, block - 1) + 1, cost + 3.0 * forecast, forecast)
-        if forecast:
-            policy.start_forecast([0] * 15)
-        if policy.guess is not None:
-            policy.observe([0 if policy.guess_checked < run else 1])
-        chosen.append(block)
-        previous = block
-    return chosen
+        return 10.8 if block > 1 else 10.0 if previous > 1 else plain
+
+    return run_text(policy, runs, cost, 3.0)
 
 
 def test_a_stale_plain_cost_is_timed_again():
