@@ -13,7 +13,8 @@ from mlx_dflash.bench import BenchConfig, markdown_table, run_bench, token_match
 from mlx_dflash.replay import ReplayProposer, geometric_schedule
 
 SUMMARY_FIELDS = {"method", "length", "prompts", "decode_tokens_per_sec", "prefill_s_median", "ttft_s_median",
-                  "generated_tokens", "token_match", "speedup_vs_baseline"}
+                  "generated_tokens", "token_match", "speedup_vs_baseline", "decode_tokens_per_sec_by_prompt",
+                  "speedup_by_prompt"}
 DFLASH_FIELDS = {"cycles", "mean_acceptance_length", "acceptance_histogram", "acceptance_by_position"}
 
 
@@ -52,6 +53,12 @@ def test_bench_runs_and_writes_everything(tiny_dir, tmp_path):
     for png in ("tokens_per_sec.png", "acceptance.png"):
         assert (tmp_path / png).stat().st_size > 0
     assert "| dflash | 12 |" in markdown_table(summary)
+    # each prompt's ratio: its own rate over the baseline's on the same prompt
+    entry, base = summary["dflash@20"], summary["baseline@20"]
+    for p, ratio in entry["speedup_by_prompt"].items():
+        assert ratio == entry["decode_tokens_per_sec_by_prompt"][p] / base["decode_tokens_per_sec_by_prompt"][p]
+    ratios = sorted(entry["speedup_by_prompt"].values())
+    assert len(ratios) == 2 and f"| {ratios[0]:.2f}-{ratios[1]:.2f}x |" in markdown_table(summary)
 
 
 def test_baselines_first_times_mlx_lm_before_any_dflash(tiny_dir, monkeypatch):

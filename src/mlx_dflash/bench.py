@@ -121,6 +121,7 @@ def summarize(runs: list[Run], block_size: int) -> dict:
             by_prompt.setdefault(r.prompt, []).append(r)
         tokens = sum(len(rs[0].tokens) - 1 for rs in by_prompt.values())
         decode = sum(statistics.median(r.decode_s for r in rs) for rs in by_prompt.values())
+        rates = {p: (len(rs[0].tokens) - 1) / statistics.median(r.decode_s for r in rs) for p, rs in by_prompt.items()}
         acceptance = [a for rs in by_prompt.values() for a in rs[0].acceptance_lengths]
         entry = {
             "method": method,
@@ -131,6 +132,7 @@ def summarize(runs: list[Run], block_size: int) -> dict:
             "ttft_s_median": statistics.median(r.prefill_s for r in mine),
             "generated_tokens": tokens + len(by_prompt),
             "token_match": {p: token_match(rs[0].tokens, baseline.get((p, length), [])) for p, rs in by_prompt.items()},
+            "decode_tokens_per_sec_by_prompt": rates,
         }
         if acceptance:
             hist = np.bincount(acceptance, minlength=block_size + 1)[1:]
@@ -145,18 +147,24 @@ def summarize(runs: list[Run], block_size: int) -> dict:
         base = out.get(f"baseline@{entry['length']}")
         if base and base["decode_tokens_per_sec"] > 0:
             entry["speedup_vs_baseline"] = entry["decode_tokens_per_sec"] / base["decode_tokens_per_sec"]
+            # each prompt's own ratio: on a shared machine their spread shows the run's noise
+            base_rates = base["decode_tokens_per_sec_by_prompt"]
+            entry["speedup_by_prompt"] = {p: rate / base_rates[p] for p, rate in
+                                          entry["decode_tokens_per_sec_by_prompt"].items() if base_rates.get(p)}
     return out
 
 
 def markdown_table(summary: dict) -> str:
-    rows = ["| method | length | decode tok/s | speed-up | TTFT s | mean acceptance | token match |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| method | length | decode tok/s | speed-up | per prompt | TTFT s | mean acceptance | token match |",
+            "|---|---|---|---|---|---|---|---|"]
     for e in summary.values():
         matches = list(e["token_match"].values())
         match = "all" if all(m is True for m in matches) else f"{sum(m is True for m in matches)}/{len(matches)}"
         acc = f"{e['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in e else "-"
+        ratios = list(e.get("speedup_by_prompt", {}).values())
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios and e["method"] != "baseline" else "-"
         rows.append(f"| {e['method']} | {e['length']} | {e['decode_tokens_per_sec']:.1f} | "
-                    f"{e.get('speedup_vs_baseline', 1.0):.2f}x | {e['ttft_s_median']:.3f} | {acc} | {match} |")
+                    f"{e.get('speedup_vs_baseline', 1.0):.2f}x | {spread} | {e['ttft_s_median']:.3f} | {acc} | {match} |")
     return "\n".join(rows)
 
 
