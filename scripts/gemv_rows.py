@@ -1,7 +1,7 @@
 """A block's projections as one batched matrix-vector product: cheaper to launch, and each row
 computed as a one-token step computes it?
 
-    python scripts/gemv_rows.py [--rows 16] [--layers 30] [--iters 20]
+    PYTHONPATH=src python scripts/gemv_rows.py [--rows 16] [--layers 30] [--iters 20]
 
 On MLX's CUDA backend a matmul of one row (mlx-lm's step) runs MLX's own gemv kernel, one graph
 node; one of 16 rows runs cuBLAS, captured into a child graph per call. ``mx.matmul(W, x[..., None])``
@@ -17,6 +17,8 @@ import statistics
 import time
 
 import mlx.core as mx
+
+from mlx_dflash.projections import rowwise_product as rows
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rows", type=int, default=16)
@@ -36,10 +38,6 @@ mx.eval(weights)
 
 def plain(x, w):
     return x @ w.T
-
-
-def rows(x, w):
-    return mx.matmul(w, x[..., None])[..., 0]
 
 
 def stack(project):

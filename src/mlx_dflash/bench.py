@@ -119,9 +119,10 @@ def summarize(runs: list[Run], block_size: int) -> dict:
         by_prompt: dict[int, list[Run]] = {}
         for r in mine:
             by_prompt.setdefault(r.prompt, []).append(r)
+        decode_s = {p: statistics.median(r.decode_s for r in rs) for p, rs in by_prompt.items()}
         tokens = sum(len(rs[0].tokens) - 1 for rs in by_prompt.values())
-        decode = sum(statistics.median(r.decode_s for r in rs) for rs in by_prompt.values())
-        rates = {p: (len(rs[0].tokens) - 1) / statistics.median(r.decode_s for r in rs) for p, rs in by_prompt.items()}
+        decode = sum(decode_s.values())
+        rates = {p: (len(rs[0].tokens) - 1) / decode_s[p] for p, rs in by_prompt.items()}
         acceptance = [a for rs in by_prompt.values() for a in rs[0].acceptance_lengths]
         entry = {
             "method": method,
