@@ -6,7 +6,7 @@ For each piece (mlx-lm's plain step; the tapped target's plain step and 16-token
 engine's cache, its count on the device as in queued cycles, the verify eager and compiled
 (``target.COMPILE_BLOCKS``; packed and row-by-row projections there unless ``--pack off`` or
 ``--rowwise off``); the draft's context
-update and pass), times building the graph, ``mx.async_eval`` with the device idle (the host
+update and pass, eager and compiled (``draft.COMPILE_PASSES``)), times building the graph, ``mx.async_eval`` with the device idle (the host
 launching kernels) and the wait that follows (device work not hidden by the launch), median of
 ``--iters``; and counts the graph's primitives by kind (``mx.export_to_dot``; views such as
 transposes and broadcasts launch nothing). Where launches dominate, a cycle costs what its
@@ -24,6 +24,7 @@ from collections import Counter
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlx_dflash import draft as draft_module
 from mlx_dflash import projections, rollback
 from mlx_dflash import target as target_module
 from mlx_dflash.draft import load_draft
@@ -49,6 +50,7 @@ projections.ROWWISE_PRODUCTS = args.rowwise == "on"
 
 rollback.PAD_READS = True  # the GPU's reads, also when run on the CPU
 target_module.COMPILE_BLOCKS = False  # eager blocks, except in "verify compiled"
+draft_module.COMPILE_PASSES = False  # eager draft passes, except in "draft compiled"
 model, tokenizer = load_target(args.model)
 draft = load_draft(args.draft or shipped_draft(args.model), dtype=float_dtype(model))
 vocab = draft.config.vocab_size
@@ -96,10 +98,6 @@ def target_verify():
 
 def draft_context():
     proposer.add_context(features16, mx.array(5))
-    proposer._project_singles()
-    for context, kept in proposer.pending:
-        draft.store_context(context, proposer.cache, kept)
-    proposer.pending = []
     out = [c.keys for c in proposer.cache] + [c.values for c in proposer.cache]
     proposer.settle(args.context)
     return out
@@ -115,6 +113,14 @@ def target_verify_compiled():
         return target_verify()
     finally:
         target_module.COMPILE_BLOCKS = False
+
+
+def draft_pass_compiled():
+    draft_module.COMPILE_PASSES = True
+    try:
+        return draft_pass()
+    finally:
+        draft_module.COMPILE_PASSES = False
 
 
 def op_counts(outputs) -> Counter:
@@ -154,9 +160,10 @@ def measure(name, piece):
 
 
 print(f"compiled verify's tokens equal eager ones: {mx.array_equal(target_verify_compiled()[0], target_verify()[0])}")
+print(f"compiled draft's tokens equal eager ones: {mx.array_equal(draft_pass_compiled()[0], draft_pass()[0])}")
 print(f"device {mx.default_device()}, context {args.context}, MLX {mx.__version__}, in the compiled verify "
       f"packed projections {args.pack}, row by row {args.rowwise}", flush=True)
 for name, piece in [("mlx-lm step", mlx_lm_step), ("target step", target_step), ("target verify16", target_verify),
                     ("verify compiled", target_verify_compiled), ("draft context", draft_context),
-                    ("draft pass", draft_pass)]:
+                    ("draft pass", draft_pass), ("draft compiled", draft_pass_compiled)]:
     measure(name, piece)

@@ -52,7 +52,7 @@ def phases(block: int, cycles: int = 12) -> dict:
     logits, features = target(mx.array(prompt)[None], cache)
     proposer.add_context(features)
     x = mx.argmax(logits[0, -1], keepdims=True)
-    mx.eval(x, [context for context, _ in proposer.pending])
+    mx.eval(x, proposer.state)
     total = {"draft": 0.0, "verify": 0.0, "plain_tapped": 0.0, "plain_mlx_lm": 0.0}
     for _ in range(cycles):
         drafted = proposer.propose(x, block - 1)
@@ -68,7 +68,7 @@ def phases(block: int, cycles: int = 12) -> dict:
         x = mx.argmax(logits[0, -1:], axis=-1)
         total["plain_mlx_lm"] += timed(lambda: model(x[None], cache=cache))
         target.rollback(cache, 1)
-        mx.eval([context for context, _ in proposer.pending])
+        mx.eval(proposer.state)
     return {k: round(1000 * v / cycles, 1) for k, v in total.items()}
 
 

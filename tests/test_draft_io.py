@@ -230,3 +230,48 @@ def test_half_precision_targets_on_the_cpu_get_a_warning(tiny_dir, capsys):
     mx.save_safetensors(str(path / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()})
     load_target(str(path))
     assert "runs in bfloat16 on the CPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["window", "all context", "sliding layer"])
+def test_compiled_draft_pass_equals_eager_one(tiny_dir, layout, monkeypatch):
+    """What GPUs run: the draft's decode pass under mx.compile (whole context buffers, lengths
+    as arrays) gives the eager pass's logits: after a count still on the device, a settle that
+    drops the window's middle, and a buffer grown past 256 positions."""
+    from mlx_dflash import draft as draft_module
+    from mlx_dflash import rollback
+    from mlx_dflash.engine import DFlashProposer
+    from mlx_dflash.target import Target
+
+    monkeypatch.setattr(rollback, "PAD_READS", True)  # (the GPU's reads)
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "compiled-draft-qwen3", "qwen3"))
+    config = dict(vars(model.args))
+    draft = create_random_draft(config, num_layers=2, block_size=16, mask_token_id=MASK_ID)
+    if layout == "window":
+        draft.config.context_window, draft.config.context_sink = 100, 4
+    if layout == "sliding layer":
+        draft.config.layer_types, draft.config.sliding_window = ["sliding_attention", "full_attention"], 40
+    mx.random.seed(3)
+    features = mx.random.normal((1, 300, len(draft.config.target_layer_ids) * config["hidden_size"]))
+    first = mx.array([5], dtype=mx.uint32)
+
+    def passes(compiled: bool) -> list[mx.array]:
+        monkeypatch.setattr(draft_module, "COMPILE_PASSES", compiled)
+        proposer = DFlashProposer(draft)
+        proposer.start(Target(model, draft.config.target_layer_ids))
+        proposer.add_context(features[:, :200])
+        out = [proposer.draft_logits(first, 15)]
+        proposer.add_context(features[:, 200:216], mx.array(9))  # a count on the device
+        out.append(proposer.draft_logits(first, 7))
+        proposer.settle(209)  # (with the window: its middle is dropped)
+        proposer.add_context(features[:, 216:290])  # past 256 stored positions (no window)
+        out.append(proposer.draft_logits(first, 15))
+        return out
+
+    compiled, eager = passes(True), passes(False)
+    assert draft._compiled_pass is not None  # (it ran)
+    for a, b in zip(compiled, eager):
+        assert mx.abs(a - b).max().item() <= 1e-4
+    # new weights (training evaluates between its steps): the trace uses them, not the old ones
+    draft.update({"layers": [{"mlp": {"down_proj": {"weight": 2 * layer.mlp.down_proj.weight}}} for layer in draft.layers]})
+    compiled, eager = passes(True), passes(False)
+    assert mx.abs(compiled[0] - eager[0]).max().item() <= 1e-4

@@ -86,12 +86,15 @@ def test_queued_cycles_equal_greedy(tiny_dir, family, monkeypatch):
     """What GPUs run, here on the CPU: each block queued before the previous accept count is
     read (rollback, draft context and next first token from the count on the device), keys read
     from whole buffers, blocks through a compiled forward (targets of only KV caches) with packed
-    and row-by-row projections, a draft context window cut by device counts; tokens equal
-    mlx-lm greedy with a random draft, planted mistakes, and the adaptive policy's mix of sizes."""
+    and row-by-row projections, compiled draft passes, a draft context window cut by device
+    counts; tokens equal mlx-lm greedy with a random draft, planted mistakes, and the adaptive
+    policy's mix of sizes."""
+    from mlx_dflash import draft as draft_module
     from mlx_dflash import projections, rollback
 
     monkeypatch.setattr(rollback, "PAD_READS", True)
     monkeypatch.setattr(target_module, "COMPILE_BLOCKS", True)
+    monkeypatch.setattr(draft_module, "COMPILE_PASSES", True)
     monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / f"queued-{family}", family, "def fib(n):\n    return",
                                                     3 * MAX_TOKENS)

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .device import on_apple_gpu
+from .device import on_apple_gpu, on_gpu
 from .errors import DFlashError
 from .rollback import read_length, reserve
 
@@ -261,6 +261,24 @@ def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optio
 
 COMPACT_SLACK = 64  # a windowed cache drops its middle once it holds this many positions too many
 
+# On GPUs a decode pass of the draft runs under mx.compile, as the target's blocks do
+# (target.COMPILE_BLOCKS): the host replays a traced graph instead of running the layers'
+# Python, and elementwise ops fuse. Each layer's whole context buffer and its length (on the
+# device or not) are inputs, so one trace serves every pass of a block length while the buffers
+# keep their size. None: on GPUs (tests set it on the CPU).
+COMPILE_PASSES: Optional[bool] = None
+
+
+def context_visible(size: int, length: Union[int, mx.array], sink: int, window: Optional[int]) -> mx.array:
+    """Which of ``size`` stored positions a block sees: those below ``length`` (past it: a
+    rejected tail or unused buffer), and with a window only the first ``sink`` and the last
+    ``window`` of them."""
+    j = mx.arange(size)
+    visible = j < length
+    if window is not None:
+        visible = visible & ((j < sink) | (j >= length - window))
+    return visible
+
 
 class DraftContextCache:
     """Committed context K/V of one draft layer.
@@ -339,15 +357,35 @@ class DraftContextCache:
         exact = isinstance(self.length, int)  # (a length on the device is never compared on the host)
         if exact and size == self.length and (self.window is None or self.length <= self.sink + self.window):
             return None
-        j = mx.arange(size)
-        visible = j < self.length
-        if self.window is not None:
-            visible = visible & ((j < self.sink) | (j >= self.length - self.window))
-        return visible
+        return context_visible(size, self.length, self.sink, self.window)
 
     @property
     def state(self) -> tuple:
         return self.keys, self.values
+
+
+def _as_array(n: Union[int, mx.array]) -> mx.array:
+    return n if isinstance(n, mx.array) else mx.array(n)
+
+
+class ContextView:
+    """A ``DraftContextCache`` inside a compiled draft pass: its whole buffer read, masked past
+    a ``length`` given as an array; no host counts, so the trace does not depend on them."""
+
+    def __init__(self, keys: mx.array, values: mx.array, length: mx.array, dropped: mx.array, sink: int,
+                 window: Optional[int]):
+        self.keys, self.values, self.length = keys, values, length
+        self.position = length + dropped
+        self.sink, self.window = sink, window
+
+    def read_size(self) -> int:
+        return self.keys.shape[2]
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    def visible(self) -> mx.array:
+        return context_visible(self.keys.shape[2], self.length, self.sink, self.window)
 
 
 class DraftMLP(nn.Module):
@@ -394,6 +432,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = [DraftLayer(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self._compiled_pass: Optional[Any] = None  # (run_block's, traced on first use)
 
     @property
     def block_size(self) -> int:
@@ -403,8 +442,12 @@ class DFlashDraft(nn.Module):
         """Per layer: all context, or a sink + sliding window of it (``config.context_window``)
         so that a draft pass costs the same at any context length. Sliding-window layers of
         published drafts keep their own window (their mask counts every position)."""
+        return [DraftContextCache(sink, window) for sink, window in self._context_windows()]
+
+    def _context_windows(self) -> list[tuple[int, Optional[int]]]:
+        """Per layer, the (sink, window) of its context cache ((0, None): all context)."""
         window, sink = self.config.context_window, self.config.context_sink
-        return [DraftContextCache(sink, window) if window and not self.config.is_sliding(i) else DraftContextCache()
+        return [(sink, window) if window and not self.config.is_sliding(i) else (0, None)
                 for i in range(len(self.layers))]
 
     def project_context(self, tapped: mx.array) -> mx.array:
@@ -436,6 +479,24 @@ class DFlashDraft(nn.Module):
                 masks[window] = block_mask(layer_cache, h.shape[1], window)
             h = layer(h, layer_cache, masks[window])
         return self.norm(h)
+
+    def run_block(self, block_embeddings: mx.array, cache: list[DraftContextCache]) -> mx.array:
+        """A decode pass over ``cache`` (its new context already stored): ``__call__``, on GPUs
+        compiled (``COMPILE_PASSES``); traced again only when a block length or buffer size changes."""
+        wanted = on_gpu() if COMPILE_PASSES is None else COMPILE_PASSES
+        if not wanted or any(c.keys is None for c in cache):
+            return self(block_embeddings, None, cache)
+        if self._compiled_pass is None:
+            windows = self._context_windows()
+
+            def forward(x: mx.array, *state: mx.array) -> mx.array:
+                views = [ContextView(*state[4 * i : 4 * i + 4], sink, window) for i, (sink, window) in enumerate(windows)]
+                return self(x, None, views)
+            # the weights as inputs, not constants of the trace: training updates them between
+            # its held-out evaluations
+            self._compiled_pass = mx.compile(forward, inputs=self.state)
+        state = [x for c in cache for x in (c.keys, c.values, _as_array(c.length), mx.array(c.dropped))]
+        return self._compiled_pass(block_embeddings, *state)
 
     def forward_blocks(self, block_embeddings: mx.array, context: mx.array, anchors: mx.array,
                        sees_context: mx.array) -> mx.array:

@@ -47,6 +47,11 @@ class Proposer(Protocol):
     def settle(self, positions: int) -> None:
         """The host has read the counts: ``positions`` committed tokens have context now."""
 
+    @property
+    def state(self) -> list:
+        """The arrays its stored context is in: the prefill evaluates them (a prompt's context
+        is prompt work; left to the first draft, it was timed as decoding)."""
+
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Draft ``num_tokens`` tokens following ``first_token`` (shape [1])."""
 
@@ -65,40 +70,40 @@ class DFlashProposer:
     def start(self, target: Target) -> None:
         self.target = target
         self.cache = self.draft.make_cache()
-        self.pending: list[tuple[mx.array, Optional[mx.array]]] = []  # projected context and its count, not yet stored
-        self.single: list[mx.array] = []  # tapped features of single tokens (plain steps), unprojected
+        self.single: list[mx.array] = []  # tapped features of single tokens (plain steps), not stored yet
         # greedy drafts pick among the draft vocabulary only (when it has one): a smaller head
         self.vocab_head = target.head_rows(self.draft_vocab) if self.draft_vocab is not None else None
 
     def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
         if isinstance(kept, int):
             features, kept = features[:, :kept], None
-        # Plain steps add one token each: projected together at the next draft, not one by
-        # one (a few ops fewer per step, where a small model on a GPU is launch-bound).
+        # Plain steps add one token each: stored together at the next draft, not one by one
+        # (a few ops fewer per step, where a small model on a GPU is launch-bound).
         if features.shape[1] == 1 and kept is None:
             self.single.append(features)
             return
-        self._project_singles()
-        self.pending.append((self.draft.project_context(features), kept))
+        self._store_singles()
+        self.draft.store_context(self.draft.project_context(features), self.cache, kept)
 
     def settle(self, positions: int) -> None:
-        if not self.pending and not self.single:  # (else the cache does not hold them all yet)
+        if not self.single:  # (else the cache does not hold them all yet)
             for layer_cache in self.cache:
                 layer_cache.settle(positions)
 
-    def _project_singles(self) -> None:
+    @property
+    def state(self) -> list:
+        return [layer_cache.state for layer_cache in self.cache]
+
+    def _store_singles(self) -> None:
         if self.single:
-            self.pending.append((self.draft.project_context(mx.concatenate(self.single, axis=1)), None))
+            self.draft.store_context(self.draft.project_context(mx.concatenate(self.single, axis=1)), self.cache)
             self.single = []
 
     def _slot_hidden(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Final hidden states [1, num_tokens, H] of the block slots after ``first_token``."""
         block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
-        self._project_singles()
-        for context, kept in self.pending:
-            self.draft.store_context(context, self.cache, kept)
-        self.pending = []
-        return self.draft(self.target.embed(block[None]), None, self.cache)[:, 1:]
+        self._store_singles()
+        return self.draft.run_block(self.target.embed(block[None]), self.cache)[:, 1:]
 
     def draft_logits(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Logits [num_tokens, V] over the whole vocabulary (one draft pass): what sampling needs."""
@@ -128,7 +133,7 @@ def _prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[A
     for start in range(0, prompt.size - 1, PREFILL_STEP):
         _, features = target(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)], cache)
         proposer.add_context(features)
-        mx.eval([c.state for c in cache])
+        mx.eval([c.state for c in cache], proposer.state)
     logits, features = target(prompt[None, -1:], cache)
     proposer.add_context(features)
     return logits[0, -1]

@@ -52,6 +52,10 @@ class ReplayProposer:
         if self.cost_of:
             self.cost_of.settle(positions)
 
+    @property
+    def state(self) -> list:
+        return self.cost_of.state if self.cost_of else []
+
     def correct_prefix(self, cycle: int) -> Optional[int]:
         if callable(self.schedule):
             return self.schedule(cycle)
