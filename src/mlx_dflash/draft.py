@@ -261,12 +261,14 @@ def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optio
 
 COMPACT_SLACK = 64  # a windowed cache drops its middle once it holds this many positions too many
 
-# On GPUs a decode pass of the draft runs under mx.compile, as the target's blocks do
+# A decode pass of the draft under mx.compile, as the target's blocks run on GPUs
 # (target.COMPILE_BLOCKS): the host replays a traced graph instead of running the layers'
 # Python, and elementwise ops fuse. Each layer's whole context buffer and its length (on the
 # device or not) are inputs, so one trace serves every pass of a block length while the buffers
-# keep their size. None: on GPUs (tests set it on the CPU).
-COMPILE_PASSES: Optional[bool] = None
+# keep their size; a new trace costs host time once per block length and buffer size (256
+# positions). Off until measured on a GPU (BENCHMARKS.md, sixteenth session; on this CPU a pass
+# launched as fast either way: scripts/launch_costs.py). None: on GPUs; tests set it on the CPU.
+COMPILE_PASSES: Optional[bool] = False
 
 
 def context_visible(size: int, length: Union[int, mx.array], sink: int, window: Optional[int]) -> mx.array:
@@ -481,8 +483,8 @@ class DFlashDraft(nn.Module):
         return self.norm(h)
 
     def run_block(self, block_embeddings: mx.array, cache: list[DraftContextCache]) -> mx.array:
-        """A decode pass over ``cache`` (its new context already stored): ``__call__``, on GPUs
-        compiled (``COMPILE_PASSES``); traced again only when a block length or buffer size changes."""
+        """A decode pass over ``cache`` (its new context already stored): ``__call__``, compiled
+        where ``COMPILE_PASSES`` says; traced again only when a block length or buffer size changes."""
         wanted = on_gpu() if COMPILE_PASSES is None else COMPILE_PASSES
         if not wanted or any(c.keys is None for c in cache):
             return self(block_embeddings, None, cache)
