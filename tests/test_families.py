@@ -69,6 +69,9 @@ def test_prefill_gives_mlx_lms_first_logits_bit_for_bit(tiny_dir, length, monkey
     ours = target.make_cache()
     proposer.start(target)
     assert mx.array_equal(_prefill(target, proposer, prompt, ours), expected).item()
+    # the draft's context of the prompt (all but its last token, which a plain step's context
+    # joins) is stored by the prefill, not left to the first draft pass, which is timed as decoding
+    assert [c.bound for c in proposer.cache] == [length - 1]
 
 
 def test_llama_block_size_10(tiny_dir):
