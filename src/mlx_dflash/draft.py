@@ -494,11 +494,20 @@ class DFlashDraft(nn.Module):
             def forward(x: mx.array, *state: mx.array) -> mx.array:
                 views = [ContextView(*state[4 * i : 4 * i + 4], sink, window) for i, (sink, window) in enumerate(windows)]
                 return self(x, None, views)
-            # the weights as inputs, not constants of the trace: training updates them between
-            # its held-out evaluations
-            self._compiled_pass = mx.compile(forward, inputs=self.state)
+            self._compiled_pass = mx.compile(forward)
         state = [x for c in cache for x in (c.keys, c.values, _as_array(c.length), mx.array(c.dropped))]
         return self._compiled_pass(block_embeddings, *state)
+
+    # The compiled pass holds the weights as constants of its trace (as inputs they cost ~0.4 ms
+    # of host time a pass, here), so new weights drop it: training updates them between its
+    # held-out evaluations; loading and quantizing go through these too.
+    def update(self, *args, **kwargs) -> "DFlashDraft":
+        self._compiled_pass = None
+        return super().update(*args, **kwargs)
+
+    def update_modules(self, *args, **kwargs) -> "DFlashDraft":
+        self._compiled_pass = None
+        return super().update_modules(*args, **kwargs)
 
     def forward_blocks(self, block_embeddings: mx.array, context: mx.array, anchors: mx.array,
                        sees_context: mx.array) -> mx.array:
