@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -434,7 +434,7 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = [DraftLayer(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
-        self._compiled_pass: Optional[Any] = None  # (run_block's, traced on first use)
+        self._compiled_pass: Optional[Callable] = None  # (run_block's, traced on first use)
 
     @property
     def block_size(self) -> int:
