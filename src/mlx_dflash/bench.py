@@ -43,10 +43,6 @@ class Run:
     acceptance_lengths: list[int] = field(default_factory=list)
     policy_cycles: list[tuple[int, int, float, bool]] = field(default_factory=list)  # adaptive: BlockPolicy.history
 
-    @property
-    def decode_tps(self) -> float:
-        return max(len(self.tokens) - 1, 0) / self.decode_s if self.decode_s > 0 else 0.0
-
 
 def humaneval_prompts() -> list[str]:
     try:
