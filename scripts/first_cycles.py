@@ -7,7 +7,8 @@ new shapes cost host time).
 
 Per prompt: the prefill (to the first token), the first and the last cycle together, and the
 median of the cycles between them, in ms; "extra" is what the first and last cost beyond two
-steady ones. (Each cycle's time holds the next cycle's launch, made before its tokens are handed
+steady ones; "slowest" the three slowest cycles between them (cycle: ms), where a buffer's growth
+(every 256 positions) or a new compiled trace would show. (Each cycle's time holds the next cycle's launch, made before its tokens are handed
 out: the first one's time holds two launches, the last one's none; so the two are read together.)
 One warm-up generation on a prompt not measured comes first (kernels, traces, allocator).
 """
@@ -47,12 +48,13 @@ def cycle_times(prompt: list[int]) -> list[float]:
 
 
 cycle_times(prompts[-1])  # warm-up
-print(f"{'prompt':>6} {'tokens':>6} {'cycles':>6} {'prefill':>8} {'ends':>8} {'steady':>8} {'extra':>8} (ms)")
+print(f"{'prompt':>6} {'tokens':>6} {'cycles':>6} {'prefill':>8} {'ends':>8} {'steady':>8} {'extra':>8} (ms)  slowest")
 for index, prompt in enumerate(prompts[:-1]):
     times = [1000 * t for t in cycle_times(prompt)]
     if len(times) < 5:
         print(f"{index:6d}: too few cycles ({len(times) - 1})")
         continue
     ends, steady = times[1] + times[-1], statistics.median(times[2:-1])
+    slowest = sorted(range(2, len(times) - 1), key=lambda i: -times[i])[:3]
     print(f"{index:6d} {len(prompt):6d} {len(times) - 1:6d} {times[0]:8.2f} {ends:8.2f} {steady:8.2f} "
-          f"{ends - 2 * steady:8.2f}", flush=True)
+          f"{ends - 2 * steady:8.2f}  " + ", ".join(f"{i}: {times[i]:.1f}" for i in slowest), flush=True)
