@@ -107,20 +107,19 @@ def draft_pass():
     return [proposer.propose(block[:1], 15)]
 
 
-def target_verify_compiled():
-    target_module.COMPILE_BLOCKS = True
-    try:
-        return target_verify()
-    finally:
-        target_module.COMPILE_BLOCKS = False
+def compiled(piece, module, switch: str):
+    """``piece`` with ``module.switch`` (a compile switch) on while it builds its graph."""
+    def run():
+        setattr(module, switch, True)
+        try:
+            return piece()
+        finally:
+            setattr(module, switch, False)
+    return run
 
 
-def draft_pass_compiled():
-    draft_module.COMPILE_PASSES = True
-    try:
-        return draft_pass()
-    finally:
-        draft_module.COMPILE_PASSES = False
+target_verify_compiled = compiled(target_verify, target_module, "COMPILE_BLOCKS")
+draft_pass_compiled = compiled(draft_pass, draft_module, "COMPILE_PASSES")
 
 
 def op_counts(outputs) -> Counter:
