@@ -10,7 +10,12 @@ from 4 up (BENCHMARKS.md, fifth session): MLX 0.32.4 fuses attention for single-
 only. Per shape (SmolLM2-135M, Qwen3-8B heads), ``--layers`` calls per evaluation, like one
 model pass: (1) one call with all block queries and a causal mask (what mlx-lm's verify does),
 (2) one single-query call per block position over its visible keys (fused kernels, more
-launches), (3) one single-query call (what a plain step does). (1) and (2) must agree. Then the
+launches), (3) one single-query call (what a plain step does). (1) and (2) must agree. Then, as
+a compiled verify reads it (the whole 256-position buffer, a mask past each query), compiled:
+(4) mlx-lm's masked call (MLX's fallback: two cuBLAS matmuls around a softmax), (5) the scores as
+a batch of matrix-vector products (MLX's gemv kernel, the keys broadcast over the queries; no
+cuBLAS), the values still one matmul, (6) both as gemv products, the values transposed first;
+(5) and (6) against (4). Then the
 projections of ``--layers`` layers (packed QKV, output, packed gate/up, down) for ``--block``
 tokens and for one: what is left of a verify's cost once attention is accounted for.
 """
@@ -55,6 +60,26 @@ def one_query(q, k, v, scale):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
+def masked_buffer(q, k, v, scale, mask):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def gemv_attention(q, k, v, scale, mask, values_by_gemv: bool):
+    """Attention of a block of queries over a buffer with each product a matrix-vector one:
+    scores as keys @ query per query (keys broadcast), values as value^T @ probabilities."""
+    batch, heads, n, dim = q.shape
+    kv_heads = k.shape[1]
+    queries = (q * scale).reshape(batch, kv_heads, heads // kv_heads * n, dim)  # heads sharing a kv head
+    scores = (k[:, :, None] @ queries[..., None])[..., 0]  # (batch, kv heads, group x n, keys)
+    visible = mx.broadcast_to(mask, (heads // kv_heads, n, mask.shape[-1])).reshape(-1, mask.shape[-1])
+    probs = mx.softmax(mx.where(visible, scores, mx.finfo(scores.dtype).min), axis=-1, precise=True)
+    if values_by_gemv:
+        out = (mx.contiguous(v.swapaxes(-1, -2))[:, :, None] @ probs[..., None])[..., 0]
+    else:
+        out = probs @ v
+    return out.reshape(batch, heads, n, dim)
+
+
 def timed(fn) -> float:
     return milliseconds_per_call(lambda: mx.eval(fn()), args.iters)
 
@@ -89,6 +114,18 @@ for name in args.shapes:
           f"max difference (1) vs (2) {error:.2e}:")
     for label, ms in results.items():
         print(f"  {label}: {ms:.2f} ms", flush=True)
+    buffer = -(-length // 256) * 256  # as a compiled verify reads it
+    kb, vb = (mx.pad(x, [(0, 0), (0, 0), (0, buffer - length), (0, 0)]) for x in (k, v))
+    mask = mx.arange(buffer)[None] <= (args.context + mx.arange(args.block))[:, None]
+    forms = {"masked call (mlx-lm's, MLX's fallback)": masked_buffer,
+             "scores by gemv, values one matmul": lambda *a: gemv_attention(*a, values_by_gemv=False),
+             "scores and values by gemv": lambda *a: gemv_attention(*a, values_by_gemv=True)}
+    reference = masked_buffer(q, kb, vb, scale, mask)
+    for label, form in forms.items():
+        compiled = mx.compile(lambda q, form=form: [form(q, kb, vb, scale, mask) for _ in range(args.layers)])
+        diff = mx.abs(form(q, kb, vb, scale, mask).astype(mx.float32) - reference.astype(mx.float32)).max().item()
+        print(f"  buffer of {buffer}, {label}, compiled: {timed(lambda: compiled(q)):.2f} ms "
+              f"(max difference from the masked call {diff:.2e})", flush=True)
     shapes = [(hidden, (heads + 2 * kv_heads) * head_dim), (hidden, hidden), (hidden, 2 * mlp), (mlp, hidden)]
     weights = [tuple(mx.random.normal(shape).astype(dtype) * 0.02 for shape in shapes) for _ in range(args.layers)]
     mx.eval(weights)
