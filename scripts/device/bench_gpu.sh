@@ -3,7 +3,7 @@
 # a random draft as the worst case, mlx-lm's speculative decoding, and scale-mode costs.
 # Staging: scripts/device/stage_all.sh (it also writes .device/b/humaneval.jsonl).
 # DRAFT: a draft folder (default: the one trained by train_default_draft.sh if this machine
-# still has it, else the shipped one). PARTS="default floor policy speculative scale hybrid cycles profile" (any of them, in
+# still has it, else the shipped one). PARTS="default floor policy speculative scale hybrid cycles graphs profile" (any of them, in
 # order; default: default); NO_EOS=1 generates the full lengths. speculative needs the two
 # Qwen2.5-Coder models staged as pieces .device/q01... (stage_all.sh), kept before this call.
 # Results: one $OUT/results-PARTS[-TAG].tgz (TAG names runs made side by side on two GPUs).
@@ -13,7 +13,7 @@ R=$(mktemp -d)  # packed into one file at the end ($OUT takes at most 8)
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
 # the default pair's target (needs the GGUF staged in .device/c, .device/d), only for the parts
 # that use it; DTYPE=float32: the target in float32 (the draft follows it); default bfloat16
-if [[ " ${PARTS:-default} " =~ " "(default|floor|policy|cycles|profile)" " ]]; then
+if [[ " ${PARTS:-default} " =~ " "(default|floor|policy|cycles|graphs|profile)" " ]]; then
   mkdir -p $MLX_DFLASH_HOME/gguf
   [ -f $MLX_DFLASH_HOME/gguf/smollm2-135m.gguf ] || cp "$DEVICE_FILES/smollm2-135m.gguf" $MLX_DFLASH_HOME/gguf/
   M=$(python3 -m mlx_dflash.cli models fetch smollm2-135m --dtype "${DTYPE:-bfloat16}" 2>&1 | tail -1); echo "model: $M"
@@ -78,6 +78,14 @@ cycles)  # each piece of a cycle alone (compiled draft pass beside the eager one
   python3 scripts/launch_costs.py --model "$M" --draft "$D" 2>&1 | tee "$R/launch_costs.txt"
   python3 scripts/first_cycles.py --model "$M" --draft "$D" --prompts .device/b/humaneval.jsonl \
     --num-prompts 8 --tokens 1024 2>&1 | tee "$R/first_cycles.txt" ;;
+graphs)  # MLX's CUDA graph cache (400 graphs by default) against a larger one: does mlx-lm still
+  # slow down after DFlash in a process, and do DFlash's cycles (many shapes) get cheaper?
+  for size in 400 4000; do
+    echo "== MLX_CUDA_GRAPH_CACHE_SIZE=$size"
+    MLX_CUDA_GRAPH_CACHE_SIZE=$size python3 scripts/baseline_interaction.py --model "$M" --draft "$D" 2>&1 | quiet | tail -8
+    MLX_CUDA_GRAPH_CACHE_SIZE=$size bench --model "$M" --draft "$D" --prompts .device/b/humaneval.jsonl \
+      --num-prompts 4 --lengths 1024 --out "$R/graph_cache_$size"
+  done ;;
 profile)  # where a cycle's time goes (draft, verify, a plain step), per block size
   python3 scripts/profile_cycle.py smollm2-135m "$D" --blocks 4 8 16 --prompts .device/b/humaneval.jsonl 2>&1 | quiet ;;
 *) echo "unknown part: $part" ;;
