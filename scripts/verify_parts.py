@@ -1,4 +1,4 @@
-"""The parts of a verify block, timed on this device (for MLX's CUDA backend): attention three
+"""The parts of a verify block, timed on this device (for MLX's CUDA backend): attention six
 ways (and the exponentials of its scores alone), and the layers' projections for a block
 against one token.
 
@@ -15,7 +15,8 @@ a compiled verify reads it (the whole 256-position buffer, a mask past each quer
 (4) mlx-lm's masked call (MLX's fallback: two cuBLAS matmuls around a softmax), (5) the scores as
 a batch of matrix-vector products (MLX's gemv kernel, the keys broadcast over the queries; no
 cuBLAS), the values still one matmul, (6) both as gemv products, the values transposed first;
-(5) and (6) against (4). Then the
+(5) and (6) against (4) (H200, seventeenth session: (5) and (6) no faster past 300 tokens of
+context, 3.5-3.9x slower at Qwen3-8B's heads; not used). Then the
 projections of ``--layers`` layers (packed QKV, output, packed gate/up, down) for ``--block``
 tokens and for one: what is left of a verify's cost once attention is accounted for.
 """
@@ -121,8 +122,9 @@ for name in args.shapes:
              "scores by gemv, values one matmul": lambda *a: gemv_attention(*a, values_by_gemv=False),
              "scores and values by gemv": lambda *a: gemv_attention(*a, values_by_gemv=True)}
     reference = masked_buffer(q, kb, vb, scale, mask)
-    layer_queries = [mx.random.normal(q.shape).astype(dtype) for _ in range(args.layers)]  # (one query per
-    for label, form in forms.items():  # layer: identical calls would be merged into one by mx.compile)
+    # each layer its own queries: mx.compile merges identical calls into one
+    layer_queries = [mx.random.normal(q.shape).astype(dtype) for _ in range(args.layers)]
+    for label, form in forms.items():
         compiled = mx.compile(lambda qs, form=form: [form(x, kb, vb, scale, mask) for x in qs])
         diff = mx.abs(form(q, kb, vb, scale, mask).astype(mx.float32) - reference.astype(mx.float32)).max().item()
         print(f"  buffer of {buffer}, {label}, compiled: {timed(lambda: compiled(layer_queries)):.2f} ms "
