@@ -317,9 +317,9 @@ def test_queued_cycles_charge_each_size_its_own_launch(tiny_dir, monkeypatch):
     monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     forward = Target.__call__
 
-    def counted(self, tokens, cache):
+    def counted(self, tokens, cache, prompt=False):
         clock[0] += tokens.shape[1]
-        return forward(self, tokens, cache)
+        return forward(self, tokens, cache, prompt)
     monkeypatch.setattr(Target, "__call__", counted)
     monkeypatch.setattr(rollback, "PAD_READS", True)
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-queued", "qwen3", "queued", 80)

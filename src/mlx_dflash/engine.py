@@ -131,7 +131,7 @@ def _prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[A
     give the same kernels: a token's logits from a one-row pass and from the last row of a
     chunk differ in their last bits, enough to flip a bf16 near-tie on a GPU.)"""
     for start in range(0, prompt.size - 1, PREFILL_STEP):
-        _, features = target(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)], cache)
+        _, features = target(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)], cache, prompt=True)
         proposer.add_context(features)
         mx.eval([c.state for c in cache], proposer.state)
     logits, features = target(prompt[None, -1:], cache)

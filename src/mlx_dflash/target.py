@@ -23,7 +23,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .delta_rule import BlockDeltaMixer
-from .device import on_gpu
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .projections import block_projections
@@ -39,12 +38,14 @@ SUPPORTED_FAMILIES = {
 }
 SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(hidden_size)
 
-# On GPUs, a block (2..PADDED_BLOCK tokens) through a target of only KV caches runs under
-# mx.compile: the host replays a traced graph instead of running the model's Python, and
-# elementwise ops fuse (H200, SmolLM2-135M, 16 tokens at 300 positions: graph 0.67 vs 1.47 ms,
-# launch 5.94 vs 6.48 ms; scripts/launch_costs.py). A small model on a GPU is bound by that host
-# work. On the CPU the arithmetic is the cost. None: on GPUs (tests set it on the CPU).
-COMPILE_BLOCKS: Optional[bool] = None
+# A block (2..PADDED_BLOCK tokens) through a target of only KV caches runs under mx.compile:
+# the host replays a traced graph instead of running the model's Python, and elementwise ops
+# fuse. On a GPU a small model is bound by that host work (H200, SmolLM2-135M, 16 tokens at 300
+# positions: graph 0.67 vs 1.47 ms, launch 5.94 vs 6.48 ms; scripts/launch_costs.py); on a
+# 2-core CPU the fused elementwise work pays (SmolLM2-135M float32, HumanEval x4, 256 tokens,
+# alternating in one process: adaptive 1.63x / 1.70x of mlx-lm compiled, 1.51x / 1.45x eager;
+# `scripts/compare_drafts.py --eager-blocks`). False: eager blocks, to measure the difference.
+COMPILE_BLOCKS = True
 
 
 class _Recorder:
@@ -201,16 +202,17 @@ class Target:
             caches = [DeviceKVCache() if type(c) is KVCache else c for c in caches]
         return caches
 
-    def __call__(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
-        """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order)."""
+    def __call__(self, tokens: mx.array, cache: list[Any], prompt: bool = False) -> tuple[mx.array, mx.array]:
+        """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order).
+        ``prompt``: a chunk of the prompt, run as mlx-lm runs it (never a compiled block, whose
+        packed products differ in their last bits: the first token must be mlx-lm's)."""
         self._latest_length = tokens.shape[1]
-        if self._compiles(tokens, cache):
+        if not prompt and self._compiles(tokens, cache):
             return self._compiled_block(tokens, cache)
         return self._forward(tokens, cache)
 
     def _compiles(self, tokens: mx.array, cache: list[Any]) -> bool:
-        wanted = on_gpu() if COMPILE_BLOCKS is None else COMPILE_BLOCKS
-        return (wanted and 1 < tokens.shape[1] <= PADDED_BLOCK
+        return (COMPILE_BLOCKS and 1 < tokens.shape[1] <= PADDED_BLOCK
                 and all(isinstance(c, DeviceKVCache) and c.keys is not None for c in cache))
 
     def _compiled_block(self, tokens: mx.array, cache: list[DeviceKVCache]) -> tuple[mx.array, mx.array]:
