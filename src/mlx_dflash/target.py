@@ -205,7 +205,7 @@ class Target:
     def __call__(self, tokens: mx.array, cache: list[Any], prompt: bool = False) -> tuple[mx.array, mx.array]:
         """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order).
         ``prompt``: a chunk of the prompt, run as mlx-lm runs it (never a compiled block, whose
-        packed products differ in their last bits: the first token must be mlx-lm's)."""
+        packed products and fused ops differ in their last bits: the first token must be mlx-lm's)."""
         self._latest_length = tokens.shape[1]
         if not prompt and self._compiles(tokens, cache):
             return self._compiled_block(tokens, cache)
