@@ -261,13 +261,14 @@ def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optio
 
 COMPACT_SLACK = 64  # a windowed cache drops its middle once it holds this many positions too many
 
-# A decode pass of the draft under mx.compile, as the target's blocks run on GPUs
-# (target.COMPILE_BLOCKS): the host replays a traced graph instead of running the layers'
-# Python, and elementwise ops fuse. Each layer's whole context buffer and its length (on the
-# device or not) are inputs, so one trace serves every pass of a block length while the buffers
-# keep their size; a new trace costs host time once per block length and buffer size (256
-# positions). Off until measured on a GPU (BENCHMARKS.md, sixteenth session; on this CPU a pass
-# launched as fast either way: scripts/launch_costs.py). None: on GPUs; tests set it on the CPU.
+# A decode pass of the draft under mx.compile, as the target's blocks run (target.COMPILE_BLOCKS):
+# the host replays a traced graph instead of running the layers' Python, and elementwise ops
+# fuse. Each layer's whole context buffer and its length (on the device or not) are inputs, so
+# one trace serves every pass of a block length while the buffers keep their size; a new trace
+# costs host time once per block length and buffer size (256 positions). Off: not shown faster
+# (H200: 2.01 against 2.37 ms a pass queued, but bench A/Bs within the host's spread; this CPU: a
+# pass launched as fast either way; BENCHMARKS.md, sixteenth and seventeenth sessions).
+# None: on GPUs; tests set it on the CPU.
 COMPILE_PASSES: Optional[bool] = False
 
 
