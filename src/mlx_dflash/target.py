@@ -42,9 +42,11 @@ SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(h
 # the host replays a traced graph instead of running the model's Python, and elementwise ops
 # fuse. On a GPU a small model is bound by that host work (H200, SmolLM2-135M, 16 tokens at 300
 # positions: graph 0.67 vs 1.47 ms, launch 5.94 vs 6.48 ms; scripts/launch_costs.py); on a
-# 2-core CPU the fused elementwise work pays (SmolLM2-135M float32, HumanEval x4, 256 tokens,
-# alternating in one process: adaptive 1.63x / 1.70x of mlx-lm compiled, 1.51x / 1.45x eager;
-# `scripts/compare_drafts.py --eager-blocks`). False: eager blocks, to measure the difference.
+# 2-core CPU the fused elementwise work pays in the default adaptive mode (SmolLM2-135M float32,
+# HumanEval x4, 256 tokens, alternating in one process, four rounds: 1.61x of mlx-lm on average
+# compiled, 1.49x eager), not with fixed 16-token blocks (1.04x against 1.10x: a compiled block
+# reads its cache's whole 256-position buffer; `scripts/compare_drafts.py --eager-blocks`,
+# BENCHMARKS.md, seventeenth session). False: eager blocks, to measure the difference.
 COMPILE_BLOCKS = True
 
 
