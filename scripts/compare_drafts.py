@@ -52,7 +52,7 @@ shared = {(name, label): BlockPolicy(draft.block_size) for name, draft in drafts
 
 def run(name: str, label: str, prompt: list[int], max_tokens: int):
     """One generation of ``name`` with the setting ``label``."""
-    target_module.COMPILE_BLOCKS = not label.endswith(EAGER)
+    target_module.COMPILE_BLOCKS = False if label.endswith(EAGER) else None  # None: the device's default
     setting = label.removesuffix(EAGER)
     options = dict(adaptive=shared[name, label]) if setting == "adaptive shared" else settings[setting]
     return generate(model, tok, prompt, drafts[name], max_tokens=max_tokens, **options)

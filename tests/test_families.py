@@ -244,6 +244,24 @@ def test_compiled_blocks_equal_eager_ones(tiny_dir, family, monkeypatch):
         assert mx.abs(a.keys[..., :end, :] - b.keys[..., :end, :]).max().item() <= 3e-5
 
 
+def test_cpu_compiles_short_blocks_only(tiny_dir, monkeypatch):
+    """By default the CPU compiles blocks up to CPU_COMPILED_BLOCK tokens (longer ones measured
+    slower compiled there), GPUs every block; True and False force every block or none."""
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "compiles-llama", "llama"))
+    target = Target(model, [0, 1])
+    cache = target.make_cache()
+    target(mx.array([[(7 * i) % 250 for i in range(40)]]), cache)
+    compiles = lambda n: target._compiles(mx.zeros((1, n), dtype=mx.uint32), cache)  # noqa: E731
+    short, long = target_module.CPU_COMPILED_BLOCK, target_module.CPU_COMPILED_BLOCK + 1
+    monkeypatch.setattr(target_module, "on_gpu", lambda: False)
+    assert (compiles(1), compiles(short), compiles(long)) == (False, True, False)
+    monkeypatch.setattr(target_module, "on_gpu", lambda: True)
+    assert (compiles(short), compiles(long), compiles(16)) == (True, True, True)
+    for forced in (True, False):
+        monkeypatch.setattr(target_module, "COMPILE_BLOCKS", forced)
+        assert (compiles(short), compiles(16)) == (forced, forced)
+
+
 @pytest.mark.parametrize("family, bits, rowwise", [("llama", None, True), ("qwen2", None, True),
                                                    ("qwen3_moe", None, True), ("qwen3_5", None, False),
                                                    ("qwen3", 4, True), ("qwen3", 8, False)])

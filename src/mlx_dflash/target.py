@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .delta_rule import BlockDeltaMixer
+from .device import on_gpu
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .projections import block_projections
@@ -41,13 +42,17 @@ SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(h
 # A block (2..PADDED_BLOCK tokens) through a target of only KV caches runs under mx.compile:
 # the host replays a traced graph instead of running the model's Python, and elementwise ops
 # fuse. On a GPU a small model is bound by that host work (H200, SmolLM2-135M, 16 tokens at 300
-# positions: graph 0.67 vs 1.47 ms, launch 5.94 vs 6.48 ms; scripts/launch_costs.py); on a
-# 2-core CPU the fused elementwise work pays in the default adaptive mode (SmolLM2-135M float32,
-# HumanEval x4, 256 tokens, alternating in one process, four rounds: 1.61x of mlx-lm on average
-# compiled, 1.49x eager), not with fixed 16-token blocks (1.04x against 1.10x: a compiled block
-# reads its cache's whole 256-position buffer; `scripts/compare_drafts.py --eager-blocks`,
-# BENCHMARKS.md, seventeenth session). False: eager blocks, to measure the difference.
-COMPILE_BLOCKS = True
+# positions: graph 0.67 vs 1.47 ms, launch 5.94 vs 6.48 ms; scripts/launch_costs.py). On a
+# 2-core CPU the fused elementwise work pays for short blocks only: a compiled block reads its
+# cache's whole 256-position buffer, whose masked keys' exponentials (scalar there) grow with
+# the block (SmolLM2-135M float32, HumanEval x4, 256 tokens, alternating in one process, two
+# rounds: 4-token blocks 1.64x / 1.68x of mlx-lm compiled against 1.47x / 1.54x eager, 8-token
+# 1.46x / 1.62x against 1.42x / 1.44x, 16-token 1.09x / 1.09x against 1.20x / 1.20x;
+# `scripts/compare_drafts.py --block-sizes 4 8 16 --eager-blocks`, BENCHMARKS.md, seventeenth
+# session). None: every block on GPUs, blocks up to CPU_COMPILED_BLOCK tokens on the CPU; True:
+# every block (tests force the GPU's path on the CPU); False: none, to measure the difference.
+COMPILE_BLOCKS: Optional[bool] = None
+CPU_COMPILED_BLOCK = 8
 
 
 class _Recorder:
@@ -214,7 +219,11 @@ class Target:
         return self._forward(tokens, cache)
 
     def _compiles(self, tokens: mx.array, cache: list[Any]) -> bool:
-        return (COMPILE_BLOCKS and 1 < tokens.shape[1] <= PADDED_BLOCK
+        if COMPILE_BLOCKS is None:
+            longest = PADDED_BLOCK if on_gpu() else CPU_COMPILED_BLOCK
+        else:
+            longest = PADDED_BLOCK if COMPILE_BLOCKS else 0
+        return (1 < tokens.shape[1] <= longest
                 and all(isinstance(c, DeviceKVCache) and c.keys is not None for c in cache))
 
     def _compiled_block(self, tokens: mx.array, cache: list[DeviceKVCache]) -> tuple[mx.array, mx.array]:
