@@ -26,7 +26,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .device import on_apple_gpu, on_gpu
 from .errors import DFlashError
-from .rollback import read_length, reserve
+from .rollback import device_count, read_length, reserve
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -367,10 +367,6 @@ class DraftContextCache:
         return self.keys, self.values
 
 
-def _as_array(n: Union[int, mx.array]) -> mx.array:
-    return n if isinstance(n, mx.array) else mx.array(n)
-
-
 class ContextView:
     """A ``DraftContextCache`` inside a compiled draft pass: its whole buffer read, masked past
     a ``length`` given as an array; no host counts, so the trace does not depend on them."""
@@ -496,7 +492,7 @@ class DFlashDraft(nn.Module):
                 views = [ContextView(*state[4 * i : 4 * i + 4], sink, window) for i, (sink, window) in enumerate(windows)]
                 return self(x, None, views)
             self._compiled_pass = mx.compile(forward)
-        state = [x for c in cache for x in (c.keys, c.values, _as_array(c.length), mx.array(c.dropped))]
+        state = [x for c in cache for x in (c.keys, c.values, device_count(c.length), mx.array(c.dropped))]
         return self._compiled_pass(block_embeddings, *state)
 
     # The compiled pass holds the weights as constants of its trace (as inputs they cost ~0.4 ms

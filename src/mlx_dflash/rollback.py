@@ -59,6 +59,11 @@ def visible_keys(n_keys: int, offset: mx.array, n_queries: int) -> mx.array:
     return mx.arange(n_keys)[None] <= (offset + mx.arange(n_queries))[:, None]
 
 
+def device_count(n: Union[int, mx.array]) -> mx.array:
+    """A count as a compiled forward takes it: an array (a host int becomes one)."""
+    return n if isinstance(n, mx.array) else mx.array(n)
+
+
 def write_at(buffer: mx.array, new: mx.array, offset: mx.array) -> mx.array:
     """``buffer`` with ``new`` written from position ``offset`` (a device scalar) on."""
     return mx.slice_update(buffer, new, offset.reshape(1), axes=(2,))

@@ -27,7 +27,8 @@ from .device import on_gpu
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .projections import block_projections
-from .rollback import PADDED_BLOCK, BufferView, DeviceKVCache, is_recurrent, trim_attention_cache, unsupported_cache
+from .rollback import (PADDED_BLOCK, BufferView, DeviceKVCache, device_count, is_recurrent, trim_attention_cache,
+                       unsupported_cache)
 
 # Families tested end to end against mlx-lm greedy (tests/test_families.py). Others fail
 # at load time: a family we have not checked could hide a cache we cannot roll back.
@@ -243,7 +244,7 @@ class Target:
             layer_cache.make_room(n)
         start = cache[0].offset  # (every layer is at the same position)
         logits, features, *buffers = self.recorder.block_forward(
-            tokens, start if isinstance(start, mx.array) else mx.array(start),
+            tokens, device_count(start),
             *(x for layer_cache in cache for x in (layer_cache.keys, layer_cache.values)))
         end = start + n  # an int stays an int: the host keeps knowing the exact length
         for layer_cache, keys, values in zip(cache, buffers[::2], buffers[1::2]):
