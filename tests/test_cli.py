@@ -99,10 +99,10 @@ def test_import_sets_mlx_cuda_defaults_unless_set(preset):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("MLX_ENABLE_CACHE_THRASHING_CHECK", "MLX_CUDA_USE_CUDNN_SDPA")}
+    ours = ("MLX_ENABLE_CACHE_THRASHING_CHECK", "MLX_CUDA_USE_CUDNN_SDPA", "MLX_ENABLE_TF32")
+    env = {k: v for k, v in os.environ.items() if k not in ours}
     if preset is not None:
         env["MLX_ENABLE_CACHE_THRASHING_CHECK"] = preset
-    code = ("import os, mlx_dflash; print(os.environ['MLX_ENABLE_CACHE_THRASHING_CHECK'], "
-            "os.environ['MLX_CUDA_USE_CUDNN_SDPA'])")
+    code = f"import os, mlx_dflash; print(*(os.environ[k] for k in {ours!r}))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == [preset or "0", "0"]
+    assert out.split() == [preset or "0", "0", "0"]

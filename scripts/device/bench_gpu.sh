@@ -82,7 +82,7 @@ graphs)  # MLX's CUDA graph cache (400 graphs by default) against a larger one: 
   # slow down after DFlash in a process, and do DFlash's cycles (many shapes) get cheaper?
   for size in 400 4000; do
     echo "== MLX_CUDA_GRAPH_CACHE_SIZE=$size"
-    MLX_CUDA_GRAPH_CACHE_SIZE=$size python3 scripts/baseline_interaction.py --model "$M" --draft "$D" 2>&1 | quiet | tail -8
+    MLX_CUDA_GRAPH_CACHE_SIZE=$size python3 scripts/baseline_interaction.py --model "$M" --draft "$D" --prompts .device/b/humaneval.jsonl 2>&1 | quiet | tail -8
     MLX_CUDA_GRAPH_CACHE_SIZE=$size bench --model "$M" --draft "$D" --prompts .device/b/humaneval.jsonl \
       --num-prompts 4 --lengths 1024 --out "$R/graph_cache_$size"
   done ;;

@@ -13,6 +13,12 @@ os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 # can die by it, mid-request. Without the check a miss only costs a rebuild.
 # MLX 0.32.4 reads MLX_ENABLE_CACHE_THRASHING_CHECK (checked in its CUDA library's strings).
 os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
+# MLX's CUDA backend runs float32 matmuls on TF32 tensor cores (10-bit mantissas) unless
+# MLX_ENABLE_TF32=0: a verify block's matmuls (cuBLAS) then round far coarser than a one-token
+# step's (MLX's own gemv), and float32 on a GPU stops being the exact path. H200, SmolLM2 in
+# float32, x8 HumanEval 1,024: with TF32 7/8 and 6/8 continuations equal to mlx-lm's, without
+# 8/8 and 8/8 (BENCHMARKS.md, eighteenth session). bf16 and quantized models are unaffected.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 from .draft import DFlashDraft, create_random_draft, load_draft, save_draft
 from .engine import GenerationResult, StreamResponse, generate, stream_generate
