@@ -36,6 +36,17 @@ def test_random_draft_equals_greedy(family_pair):
     assert result.tokens == reference[:MAX_TOKENS]
 
 
+def test_draft_tapping_one_layer_twice_equals_greedy(family_pair):
+    """Five taps on a shallow target repeat layers (the reference rule gives [1, 1, 1, 1, 1] for
+    4 layers): each layer is wrapped once (layer 1 is a recurrent one in the hybrids) and its
+    output fed to every tap that names it."""
+    family, model, tokenizer, prompt, reference = family_pair
+    draft = create_random_draft(_config(model), num_layers=5, block_size=16, mask_token_id=MASK_ID,
+                                target_layer_ids=[1, 1, 2, 3, 3])
+    result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS)
+    assert result.tokens == reference[:MAX_TOKENS]
+
+
 def test_planted_acceptance_lengths_equal_greedy(family_pair):
     """Partial acceptance of every kind, long enough for sliding windows (8) to wrap many times."""
     family, model, tokenizer, prompt, reference = family_pair

@@ -148,7 +148,7 @@ class Target:
             return
         for i, layer in tapped.items():  # different taps of an earlier Target: undo them
             layers[i] = layer.layer
-        for i in self.layer_ids:
+        for i in set(self.layer_ids):  # (a shallow target may be tapped twice at one layer)
             layers[i] = TappedLayer(layers[i], i, self.recorder)
         if not all(isinstance(self.model.layers[i], TappedLayer) for i in self.layer_ids):
             raise DFlashError(f"cannot tap layers of a {self.family} model: its layer list is not mutable")
