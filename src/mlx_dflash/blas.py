@@ -92,10 +92,11 @@ def status() -> str:
         return "BLAS: not used for MLX on this machine (MLX runs on a GPU)"
     preloaded = _preloaded_blas()
     if preloaded:
-        core = openblas_core(preloaded)
-        better = better_core(core, cpu_flags()) if "OPENBLAS_CORETYPE" not in os.environ else None
+        core, chosen = openblas_core(preloaded), os.environ.get("OPENBLAS_CORETYPE")
+        kernels = f", {core} kernels{f': OPENBLAS_CORETYPE={chosen}' if chosen else ''}" if core else ""
+        better = None if chosen else better_core(core, cpu_flags())
         fix = f"; its {better} kernels fit this CPU: export OPENBLAS_CORETYPE={better}" if better else ""
-        return f"BLAS: {preloaded} (optimised{f', {core} kernels' if core else ''}){fix}"
+        return f"BLAS: {preloaded} (optimised{kernels}){fix}"
     path = openblas_path()
     if path:
         return f"BLAS: bundled reference BLAS; OpenBLAS found at {path} (mlx-dflash commands switch to it)"
