@@ -34,7 +34,7 @@ draft = random_draft(config)
 prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.random.key(0)).tolist()
 
 
-def series(stream, positions_of) -> tuple[dict, list[int]]:
+def series(stream, tokens_of) -> tuple[dict, list[int]]:
     """ms per item of the stream by 256-position bucket of context (the first item, which
     holds the prefill, is left out), and the tokens."""
     spent, count, tokens = defaultdict(float), defaultdict(int), []
@@ -45,7 +45,7 @@ def series(stream, positions_of) -> tuple[dict, list[int]]:
             bucket = (args.prompt_len + len(tokens)) // 256 * 256
             spent[bucket] += now - tic
             count[bucket] += 1
-        tokens += positions_of(response)
+        tokens += tokens_of(response)
         tic = now
     return {b: (1000 * spent[b] / count[b], count[b]) for b in sorted(spent)}, tokens
 

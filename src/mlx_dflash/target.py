@@ -50,7 +50,8 @@ SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(h
 # rounds: 4-token blocks 1.64x / 1.68x of mlx-lm compiled against 1.47x / 1.54x eager, 8-token
 # 1.46x / 1.62x against 1.42x / 1.44x, 16-token 1.09x / 1.09x against 1.20x / 1.20x;
 # `scripts/compare_drafts.py --block-sizes 4 8 16 --eager-blocks`, BENCHMARKS.md, seventeenth
-# session). None: every block on GPUs, blocks up to CPU_COMPILED_BLOCK tokens on the CPU; True:
+# session; with OpenBLAS's AVX-512 kernels, eighteenth session: 4 and 8 tokens still ahead
+# compiled, 16 not). None: every block on GPUs, blocks up to CPU_COMPILED_BLOCK tokens on the CPU; True:
 # every block (tests force the GPU's path on the CPU); False: none, to measure the difference.
 COMPILE_BLOCKS: Optional[bool] = None
 CPU_COMPILED_BLOCK = 8
