@@ -6,7 +6,9 @@ A replay bench at Qwen3.5-9B's shape ran its cycles at ~28 ms in a 1,024-token t
 in a 4,096-token one (H200, eighteenth session), against ~17 ms from the per-part costs
 (``--costs-only``). This prints, per 256 positions of context, mlx-lm's ms a token and DFlash's
 ms a cycle, for each run of the same text: a cost paid once per new context size shows up in the
-first run only; one paid per text, in every run's first rows.
+first run only; one paid per text, in every run's first rows. ``--warm-tokens N`` first runs
+both on another prompt for N tokens (the bench's warm-up reaches ~300), so that the first run
+shows what a bench's timed text pays past it; each run also lists its slowest cycles.
 """
 
 import argparse
@@ -26,6 +28,7 @@ parser.add_argument("--tokens", type=int, default=1024)
 parser.add_argument("--prompt-len", type=int, default=128)
 parser.add_argument("--replay-mean", type=float, default=6.5)
 parser.add_argument("--runs", type=int, default=2)
+parser.add_argument("--warm-tokens", type=int, default=0)
 args = parser.parse_args()
 
 model, config = random_target(args.scale)
@@ -35,9 +38,10 @@ prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.r
 
 
 def series(stream, tokens_of) -> tuple[dict, list[int]]:
-    """ms per item of the stream by 256-position bucket of context (the first item, which
-    holds the prefill, is left out), and the tokens."""
-    spent, count, tokens = defaultdict(float), defaultdict(int), []
+    """ms per item of the stream by 256-position bucket of context (mean, count, slowest; the
+    first item, which holds the prefill, is left out), and the tokens."""
+    spent, count, slowest, tokens = defaultdict(float), defaultdict(int), defaultdict(float), []
+    items = []  # (ms, context) of each item
     tic = None
     for response in stream:
         now = time.perf_counter()
@@ -45,22 +49,37 @@ def series(stream, tokens_of) -> tuple[dict, list[int]]:
             bucket = (args.prompt_len + len(tokens)) // 256 * 256
             spent[bucket] += now - tic
             count[bucket] += 1
+            slowest[bucket] = max(slowest[bucket], now - tic)
+            items.append((1000 * (now - tic), args.prompt_len + len(tokens)))
         tokens += tokens_of(response)
         tic = now
-    return {b: (1000 * spent[b] / count[b], count[b]) for b in sorted(spent)}, tokens
+    by_bucket = {b: (1000 * spent[b] / count[b], count[b], 1000 * slowest[b]) for b in sorted(spent)}
+    return by_bucket, tokens, sorted(items, reverse=True)[:8]
+
+
+def replay_of(prompt: list[int], reference: list[int]) -> ReplayProposer:
+    return ReplayProposer(prompt + reference, draft.block_size, geometric_schedule(args.replay_mean, draft.block_size),
+                          config["vocab_size"], cost_of=DFlashProposer(draft))
+
+
+if args.warm_tokens:
+    other = mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.random.key(1)).tolist()
+    warm = [r.token for r in mlx_lm_stream(model, tokenizer, mx.array(other), max_tokens=args.warm_tokens)]
+    for _ in stream_generate(model, tokenizer, other, replay_of(other, warm), max_tokens=args.warm_tokens):
+        pass
 
 
 for run in range(args.runs):
-    base, reference = series(mlx_lm_stream(model, tokenizer, mx.array(prompt), max_tokens=args.tokens),
-                             lambda r: [r.token])
-    replay = ReplayProposer(prompt + reference, draft.block_size, geometric_schedule(args.replay_mean, draft.block_size),
-                            config["vocab_size"], cost_of=DFlashProposer(draft))
+    base, reference, _ = series(mlx_lm_stream(model, tokenizer, mx.array(prompt), max_tokens=args.tokens),
+                                lambda r: [r.token])
     tic = time.perf_counter()
-    cycles, tokens = series(stream_generate(model, tokenizer, prompt, replay, max_tokens=args.tokens),
-                            lambda r: r.tokens)
+    cycles, tokens, slowest_cycles = series(stream_generate(model, tokenizer, prompt, replay_of(prompt, reference),
+                                                            max_tokens=args.tokens), lambda r: r.tokens)
     total = time.perf_counter() - tic
     print(f"run {run}: DFlash {len(tokens)} tokens in {total:.2f} s, equal to mlx-lm's: {tokens == reference}")
     for bucket in cycles:
-        ms, n = cycles[bucket]
-        step = base.get(bucket, (float("nan"), 0))[0]
-        print(f"  context {bucket:5d}+: mlx-lm {step:6.2f} ms/token | DFlash {ms:6.2f} ms/cycle over {n:3d} cycles")
+        ms, n, slowest = cycles[bucket]
+        step, _, step_slowest = base.get(bucket, (float("nan"), 0, float("nan")))
+        print(f"  context {bucket:5d}+: mlx-lm {step:6.2f} ms/token (slowest {step_slowest:6.1f}) | "
+              f"DFlash {ms:6.2f} ms/cycle over {n:3d} cycles (slowest {slowest:6.1f})")
+    print("  slowest cycles (ms at context):", ", ".join(f"{ms:.1f} at {at}" for ms, at in slowest_cycles))
