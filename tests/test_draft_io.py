@@ -275,39 +275,3 @@ def test_compiled_draft_pass_equals_eager_one(tiny_dir, layout, monkeypatch):
     draft.update({"layers": [{"mlp": {"down_proj": {"weight": 2 * layer.mlp.down_proj.weight}}} for layer in draft.layers]})
     compiled, eager = passes(True), passes(False)
     assert mx.abs(compiled[0] - eager[0]).max().item() <= 1e-4
-
-
-def test_plain_steps_context_is_stored_in_block_shaped_chunks(tiny_dir, monkeypatch):
-    """Single tokens' features (plain steps) reach the draft cache a block's worth at a time,
-    the last chunk padded: the cache then holds what one store of all of them holds, and the
-    draft's projections only ever see the block's row count (on MLX CUDA a new row count
-    costs new kernels mid-generation)."""
-    from mlx_dflash.engine import DFlashProposer
-    from mlx_dflash.target import Target
-
-    model, _ = load_tiny(make_tiny_target(tiny_dir / "singles-qwen3", "qwen3"))
-    config = dict(vars(model.args))
-    draft = create_random_draft(config, num_layers=2, block_size=8, mask_token_id=MASK_ID)
-    mx.random.seed(4)
-    features = mx.random.normal((1, 30, len(draft.config.target_layer_ids) * config["hidden_size"]))
-    first = mx.array([5], dtype=mx.uint32)
-
-    def proposer_with(add) -> DFlashProposer:
-        proposer = DFlashProposer(draft)
-        proposer.start(Target(model, draft.config.target_layer_ids))
-        proposer.add_context(features[:, :10])  # a prompt
-        add(proposer)
-        return proposer
-
-    rows_projected = []
-    project = draft.project_context
-    monkeypatch.setattr(draft, "project_context", lambda x: rows_projected.append(x.shape[1]) or project(x))
-    together = proposer_with(lambda p: p.add_context(features[:, 10:30]))
-    rows_projected.clear()
-    one_by_one = proposer_with(lambda p: [p.add_context(features[:, i : i + 1]) for i in range(10, 30)])
-    logits = one_by_one.draft_logits(first, 7)  # stores the last, padded chunk first
-    assert rows_projected == [10, 8, 8, 8]  # the prompt, then 20 singles as 8 + 8 + 4 padded to 8
-    assert one_by_one.cache[0].position == together.cache[0].position == 30
-    for a, b in zip(one_by_one.cache, together.cache):
-        assert mx.allclose(a.keys[..., :30, :], b.keys[..., :30, :], atol=1e-5).item()
-    assert mx.allclose(logits, together.draft_logits(first, 7), atol=1e-5).item()

@@ -77,12 +77,10 @@ class DFlashProposer:
     def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
         if isinstance(kept, int):
             features, kept = features[:, :kept], None
-        # Plain steps add one token each: stored together, a block's worth at a time, not one by
-        # one (a few ops fewer per step, where a small model on a GPU is launch-bound).
+        # Plain steps add one token each: stored together at the next draft, not one by one
+        # (a few ops fewer per step, where a small model on a GPU is launch-bound).
         if features.shape[1] == 1 and kept is None:
             self.single.append(features)
-            if len(self.single) == self.block_size:
-                self._store_singles()
             return
         self._store_singles()
         self.draft.store_context(self.draft.project_context(features), self.cache, kept)
@@ -97,18 +95,8 @@ class DFlashProposer:
         return [layer_cache.state for layer_cache in self.cache]
 
     def _store_singles(self) -> None:
-        """Store the pending single tokens' features as one block-sized chunk, padded, of which
-        only the real rows are kept: so every store has a verified block's shape. On MLX's CUDA
-        backend each new row count meets new kernels: a forecast after a run of plain steps
-        (16-128 pending tokens, a new count each time) cost 19-36 ms against a ~5 ms plain step
-        (H200, random draft, eighteenth session's policy histories)."""
         if self.single:
-            pending = mx.concatenate(self.single, axis=1)
-            count = pending.shape[1]
-            if count < self.block_size:
-                pad = mx.zeros((*pending.shape[:1], self.block_size - count, pending.shape[2]), pending.dtype)
-                pending = mx.concatenate([pending, pad], axis=1)
-            self.draft.store_context(self.draft.project_context(pending), self.cache, count)
+            self.draft.store_context(self.draft.project_context(mx.concatenate(self.single, axis=1)), self.cache)
             self.single = []
 
     def _slot_hidden(self, first_token: mx.array, num_tokens: int) -> mx.array:
