@@ -37,9 +37,9 @@ draft = random_draft(config)
 prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.random.key(0)).tolist()
 
 
-def series(stream, tokens_of) -> tuple[dict, list[int]]:
+def series(stream, tokens_of) -> tuple[dict, list[int], list[tuple[float, int]]]:
     """ms per item of the stream by 256-position bucket of context (mean, count, slowest; the
-    first item, which holds the prefill, is left out), and the tokens."""
+    first item, which holds the prefill, is left out), the tokens, and the 8 slowest items (ms, context)."""
     spent, count, slowest, tokens = defaultdict(float), defaultdict(int), defaultdict(float), []
     items = []  # (ms, context) of each item
     tic = None
