@@ -62,6 +62,7 @@ def test_doctor_names_the_kernels_and_the_variable_to_set():
     chosen = _run(code, _clean_env(LD_PRELOAD=path, OPENBLAS_CORETYPE="Haswell", _MLX_DFLASH_REEXEC="1"))
     assert "Haswell kernels: OPENBLAS_CORETYPE=Haswell" in chosen and "export" not in chosen
     own = _run(code, _clean_env(LD_PRELOAD=path, _MLX_DFLASH_REEXEC="1"))
-    better = blas.better_core(_detected(path), blas.cpu_flags())
-    assert f"{_detected(path)} kernels" in own
+    detected = _detected(path)
+    better = blas.better_core(detected, blas.cpu_flags())
+    assert f"{detected} kernels" in own
     assert (f"export OPENBLAS_CORETYPE={better}" in own) == (better is not None)

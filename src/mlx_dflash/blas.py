@@ -76,6 +76,12 @@ def better_core(detected: Optional[str], flags: set[str]) -> Optional[str]:
     return next((core for core, needs in CORES_BY_FLAGS if needs <= flags), None)
 
 
+def core_to_set(detected: Optional[str]) -> Optional[str]:
+    """The ``OPENBLAS_CORETYPE`` this process should have where OpenBLAS ``detected`` these
+    kernels: a better family for the CPU's flags, unless the user chose one; else None."""
+    return None if "OPENBLAS_CORETYPE" in os.environ else better_core(detected, cpu_flags())
+
+
 def _cpu_linux() -> bool:
     if not sys.platform.startswith("linux"):
         return False
@@ -94,7 +100,7 @@ def status() -> str:
     if preloaded:
         core, chosen = openblas_core(preloaded), os.environ.get("OPENBLAS_CORETYPE")
         kernels = f", {core} kernels{f': OPENBLAS_CORETYPE={chosen}' if chosen else ''}" if core else ""
-        better = None if chosen else better_core(core, cpu_flags())
+        better = core_to_set(core)
         fix = f"; its {better} kernels fit this CPU: export OPENBLAS_CORETYPE={better}" if better else ""
         return f"BLAS: {preloaded} (optimised{kernels}){fix}"
     path = openblas_path()
@@ -118,7 +124,7 @@ def use_fast_blas() -> None:
     env = dict(os.environ, _MLX_DFLASH_REEXEC="1")
     if not preloaded:
         env["LD_PRELOAD"] = path
-    core = None if "OPENBLAS_CORETYPE" in os.environ else better_core(openblas_core(path), cpu_flags())
+    core = core_to_set(openblas_core(path))
     if core:
         env["OPENBLAS_CORETYPE"] = core
     elif preloaded:
