@@ -21,9 +21,9 @@ from typing import Any, Callable, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .cpu_kernels import attention, swiglu
 from .device import on_apple_gpu, on_gpu
 from .errors import DFlashError
 from .rollback import device_count, read_length, reserve
@@ -236,7 +236,7 @@ class DraftAttention(nn.Module):
         if ctx_k is not None:
             keys = mx.concatenate([ctx_k, keys], axis=2)
             values = mx.concatenate([ctx_v, values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        out = attention(queries, keys, values, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

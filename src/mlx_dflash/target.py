@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -22,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from .cpu_kernels import block_kernels
 from .delta_rule import BlockDeltaMixer
 from .device import on_gpu
 from .draft import DFlashDraft
@@ -123,6 +125,7 @@ class Target:
         self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
         self._install_taps()
         self._block_mixers = self._install_block_mixers()  # recurrent layer index -> its mixer
+        self._block_kernels = block_kernels(model, float_dtype(model))  # CPU: attention and SwiGLU of blocks
 
     # -- structure -------------------------------------------------------
     @property
@@ -218,7 +221,7 @@ class Target:
         self._latest_length = tokens.shape[1]
         if not prompt and self._compiles(tokens, cache):
             return self._compiled_block(tokens, cache)
-        return self._forward(tokens, cache)
+        return self._forward(tokens, cache, block=not prompt and tokens.shape[1] > 1)
 
     def _compiles(self, tokens: mx.array, cache: list[Any]) -> bool:
         if COMPILE_BLOCKS is None:
@@ -237,7 +240,7 @@ class Target:
             def forward(tokens: mx.array, offset: mx.array, *buffers: mx.array):
                 views = [BufferView(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
                 with projections.installed():
-                    logits, features = self._forward(tokens, views)
+                    logits, features = self._forward(tokens, views, block=True)
                 return logits, features, *(x for view in views for x in (view.keys, view.values))
             self.recorder.block_forward = mx.compile(forward)
         n = tokens.shape[1]
@@ -252,10 +255,14 @@ class Target:
             layer_cache.wrote(keys, values, n, end)
         return logits, features
 
-    def _forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+    def _forward(self, tokens: mx.array, cache: list[Any], block: bool = False) -> tuple[mx.array, mx.array]:
+        """The model's own forward, recording the taps; a ``block`` (a verify) with
+        ``cpu_kernels``' attention and SwiGLU where they apply."""
+        kernels = self._block_kernels.installed() if block and self._block_kernels else nullcontext()
         self.recorder.active = True
         try:
-            logits = self.model(tokens, cache=cache)
+            with kernels:
+                logits = self.model(tokens, cache=cache)
             tapped = [self.recorder.outputs[i] for i in self.layer_ids]
             features = mx.concatenate(tapped, axis=-1) if tapped else mx.zeros((*tokens.shape, 0))
         finally:

@@ -1,0 +1,188 @@
+"""Attention and SwiGLU of a block on the CPU, on an exponential that vectorizes.
+
+MLX's CPU backend on x86 computes ``exp`` one element at a time (its SIMD layer has no x86
+vectors there; each element calls libm's ``fmaf`` six times, ~22 ns). A one-token step barely
+notices, but a block multiplies the exponentials of attention (heads x block x keys) and of
+SiLU (block x intermediate size) by its length: in a 16-token forward of SmolLM2-135M
+(float32, 300 positions of context) attention took 50 ms and SwiGLU 25 ms of ~197
+(BENCHMARKS.md, twentieth session).
+
+``exp`` below is MLX's own polynomial (2**f on [-1/2, 1/2], degree 6, the same coefficients,
+times 2**n made from exponent bits) written as elementwise ops, which ``mx.compile`` fuses into
+loops the C++ compiler vectorizes: 5x faster than ``mx.exp``, within an ulp of it (no fused
+multiply-add).
+
+Blocks of a float32 target on the CPU run mlx-lm's own attention and MLP code with its
+``scaled_dot_product_attention`` and ``swiglu`` bound to the versions here, per module instance
+(``BlockKernels``; no class or module of mlx-lm is patched), the way ``projections.py`` swaps
+projections. One-token steps and prompts keep mlx-lm's code and numbers; the draft calls
+``attention`` and ``swiglu`` directly.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Callable, Iterator, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+from .device import on_gpu
+
+LOG2_E = 1.4426950408889634
+# MLX's coefficients of 2**f on [-1/2, 1/2] (mlx/backend/cpu/simd/math.h), highest degree first
+EXP2_POLYNOMIAL = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640e-3, 5.550332471162809e-2,
+                   2.402264791363012e-1, 6.931472028550421e-1, 1.0)
+ROUNDING = 12582912.0  # 1.5 * 2**23: t + ROUNDING - ROUNDING rounds t to an integer (|t| < 2**22)
+LOWEST, HIGHEST = -87.0, 88.0  # exp(x) for x below LOWEST is 0 here (MLX: below -88); above HIGHEST, clipped
+USE_CPU_KERNELS = True  # False: MLX's own exp everywhere (to measure the difference)
+
+
+@partial(mx.compile, shapeless=True)
+def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(x) = 2**t = 2**f * 2**n, t = n + f: (the polynomial's 2**f, the bits of 2**n)."""
+    t = mx.clip(x, LOWEST, HIGHEST) * LOG2_E
+    n = (t + ROUNDING) - ROUNDING
+    f = t - n
+    power = EXP2_POLYNOMIAL[0]
+    for c in EXP2_POLYNOMIAL[1:]:
+        power = power * f + c
+    return power, (n.astype(mx.int32) + 127) * (1 << 23)
+
+
+@partial(mx.compile, shapeless=True)
+def _times_power_of_two(power: mx.array, two_to_n: mx.array, x: mx.array) -> mx.array:
+    return mx.where(x < LOWEST, 0.0, power * two_to_n)
+
+
+def exp(x: mx.array) -> mx.array:
+    """``mx.exp`` of float32 ``x``, vectorized (see the module's docstring). -inf gives 0."""
+    power, bits = _exp_parts(x)
+    return _times_power_of_two(power, bits.view(mx.float32), x)  # (a view: the bits, read as floats)
+
+
+@partial(mx.compile, shapeless=True)
+def _silu_times(gate: mx.array, exp_minus_gate: mx.array, x: mx.array) -> mx.array:
+    return gate * (1.0 / (1.0 + exp_minus_gate)) * x  # MLX's sigmoid: 1 / (1 + exp(-x))
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """``silu(gate) * x`` (mlx-lm's ``swiglu``); on the CPU in float32 with ``exp``."""
+    if not _vectorized_exp_pays(gate):
+        return mlx_lm_swiglu(gate, x)
+    return _silu_times(gate, exp(-gate), x)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+              mask: Union[None, str, mx.array]) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` (no sinks); on the CPU in float32 with ``exp``.
+
+    The query heads sharing a key head are stacked into one matrix (one product per key head),
+    and the softmax is normalised after its product with the values (a [queries, head_dim]
+    division instead of [queries, keys])."""
+    if not _vectorized_exp_pays(queries):
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    B, n_heads, L, D = queries.shape
+    n_kv_heads, S = keys.shape[1], keys.shape[2]
+    repeats = n_heads // n_kv_heads
+    q = (queries * scale).reshape(B, n_kv_heads, repeats * L, D)  # rows: (query head, position)
+    scores = q @ keys.swapaxes(-1, -2)  # [B, kv heads, repeats * L, S]
+    if isinstance(mask, str):  # "causal": the block's queries are the last L positions
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
+    if mask is not None:
+        if mask.ndim == 4:  # [B or 1, heads or 1, L, S]: the stacked heads' layout
+            mask = mx.broadcast_to(mask, (mask.shape[0], n_heads, L, S))
+            mask = mask.reshape(mask.shape[0], n_kv_heads, repeats * L, S)
+        elif repeats > 1:
+            mask = mx.tile(mask, (repeats, 1))
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    weights = exp(scores - scores.max(axis=-1, keepdims=True))
+    out = (weights @ values) / weights.sum(axis=-1, keepdims=True)
+    return out.reshape(B, n_heads, L, D)
+
+
+def _vectorized_exp_pays(x: mx.array) -> bool:
+    """The CPU, float32 (in half precision the polynomial would lose digits), and a block."""
+    return USE_CPU_KERNELS and not on_gpu() and x.dtype == mx.float32 and x.shape[-2] > 1
+
+
+def _block_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention`` with ``attention`` where it applies (not for
+    attention sinks or quantized caches)."""
+    if sinks is not None or hasattr(cache, "bits"):
+        return mlx_lm_base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
+    return attention(queries, keys, values, scale, mask)
+
+
+REBOUND = {"scaled_dot_product_attention": _block_sdpa, "swiglu": swiglu}  # mlx-lm's name -> ours
+
+
+class ReboundModule(nn.Module):
+    """One module instance called through its class's own ``__call__``, whose global names in
+    ``REBOUND`` resolve to our functions."""
+
+    def __init__(self, module: nn.Module, call: Callable):
+        super().__init__()
+        self.call = partial(call, module)  # a plain attribute: the weights stay the module's
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # (a parent may read its child's attributes; they are the module's)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.call.args[0], name)
+
+
+def _rebound_call(module: nn.Module) -> Optional[Callable]:
+    """The module's ``__call__`` with our functions for the ``REBOUND`` names it reads as
+    globals (mlx-lm's modules import them by name), or None when it reads none."""
+    call = type(module).__call__
+    code = getattr(call, "__code__", None)
+    if code is None or not any(name in code.co_names for name in REBOUND):
+        return None
+    names = dict(call.__globals__)
+    names.update((name, ours) for name, ours in REBOUND.items() if name in code.co_names)
+    rebound = types.FunctionType(code, names, call.__name__, call.__defaults__, call.__closure__)
+    rebound.__kwdefaults__ = call.__kwdefaults__
+    return rebound
+
+
+class BlockKernels:
+    """The attention and MLP modules of one model instance that call mlx-lm's
+    ``scaled_dot_product_attention`` or ``swiglu``; ``installed()`` puts rebound copies in
+    their places for the duration of a block's forward."""
+
+    def __init__(self, model: nn.Module):
+        self.swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, name, own, installed)
+        for parent in model.modules():
+            for name, child in parent.children().items():
+                call = _rebound_call(child) if isinstance(child, nn.Module) else None
+                if call is not None:
+                    self.swaps.append((parent, name, child, ReboundModule(child, call)))
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        for parent, name, _, replacement in self.swaps:
+            setattr(parent, name, replacement)
+        try:
+            yield
+        finally:
+            for parent, name, own, _ in self.swaps:
+                setattr(parent, name, own)
+
+
+def block_kernels(model: nn.Module, dtype: mx.Dtype) -> Optional[BlockKernels]:
+    """``BlockKernels`` for a float32 model on the CPU, else None (its own code is the fast one)."""
+    if on_gpu() or dtype != mx.float32:
+        return None
+    return BlockKernels(model)

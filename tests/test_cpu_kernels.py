@@ -1,0 +1,92 @@
+"""cpu_kernels: the vectorized exponential, the attention and SwiGLU built on it, and their
+per-instance installation in a target's blocks."""
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_lm_base
+import mlx_lm.models.llama as mlx_lm_llama
+import numpy as np
+import pytest
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+from tiny_models import load_tiny, make_tiny_target
+
+from mlx_dflash import cpu_kernels
+from mlx_dflash.cpu_kernels import BlockKernels, ReboundModule, attention, exp, swiglu
+
+
+def test_exp_is_within_an_ulp_of_mlx_exp():
+    """Over the whole range where exp is a normal float32, and at its ends: 0 for -inf and
+    below the range, finite above it."""
+    x = mx.concatenate([mx.linspace(-87, 88, 200_001), mx.random.normal((10_000,)) * 5,
+                        mx.array([0.0, -0.5, 0.5, 1e-8, -1e-8])])
+    ours, theirs = np.array(exp(x)), np.array(mx.exp(x))
+    relative = np.abs(ours - theirs) / theirs
+    assert relative.max() <= 2.4e-7, relative.max()  # one ulp is 1.2e-7 (2**-23) at the worst
+    assert np.array_equal(np.array(exp(mx.array([0.0]))), [1.0])
+    ends = np.array(exp(mx.array([-np.inf, -100.0, -88.5, 100.0])))
+    assert list(ends[:3]) == [0.0, 0.0, 0.0] and np.isfinite(ends[3]) and ends[3] > 1e38
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "bool", "additive", "per-head"])
+def test_attention_equals_mlx_fast_attention(mask):
+    """Grouped query heads (6 over 2 key heads), a block of 5 queries over 12 keys, under each
+    kind of mask mlx-lm passes."""
+    mx.random.seed(3)
+    q, k, v = mx.random.normal((1, 6, 5, 16)), mx.random.normal((1, 2, 12, 16)), mx.random.normal((1, 2, 12, 16))
+    visible = mx.arange(12)[None] <= (6 + mx.arange(5))[:, None]  # query i at position 6 + i
+    masks = {None: None, "causal": "causal", "bool": visible,
+             "additive": mx.where(visible, 0.0, -1e9)[None, None],
+             "per-head": mx.random.uniform(shape=(1, 6, 5, 12)) > 0.3}
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=masks[mask])
+    got = attention(q, k, v, 0.25, masks[mask])
+    assert got.shape == expected.shape
+    assert mx.abs(got - expected).max().item() <= 1e-5 * mx.abs(expected).max().item()
+
+
+def test_swiglu_equals_mlx_lms():
+    gate, x = mx.random.normal((1, 7, 64)) * 6, mx.random.normal((1, 7, 64))
+    expected = mlx_lm_swiglu(gate, x)
+    assert mx.abs(swiglu(gate, x) - expected).max().item() <= 1e-6 * mx.abs(expected).max().item()
+
+
+def test_one_query_and_half_precision_keep_mlxs_own_kernels():
+    """A one-token step is bit for bit mlx-lm's; bfloat16 would lose the polynomial's digits."""
+    q, k, v = mx.random.normal((1, 4, 1, 16)), mx.random.normal((1, 2, 9, 16)), mx.random.normal((1, 2, 9, 16))
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25)
+    assert mx.array_equal(attention(q, k, v, 0.25, None), expected).item()
+    q, k, v = (t.astype(mx.bfloat16) for t in (mx.random.normal((1, 4, 3, 16)), k, v))
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert mx.array_equal(attention(q, k, v, 0.25, "causal"), expected).item()
+    gate = mx.random.normal((1, 1, 64))
+    assert mx.array_equal(swiglu(gate, gate), mlx_lm_swiglu(gate, gate)).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5"])
+def test_block_kernels_give_the_models_own_outputs(tiny_dir, family):
+    """Installed, each attention and SwiGLU module runs mlx-lm's own code with our functions
+    (gpt-oss: its attention sinks and its own activation stay mlx-lm's): the model's outputs
+    to float32 rounding; outside, the model is mlx-lm's again, and mlx-lm's modules were never
+    patched."""
+    path = make_tiny_target(tiny_dir / f"kernels-{family}", family)
+    model, _ = load_tiny(path)
+    kernels = BlockKernels(model)
+    assert len(kernels.swaps) >= len(model.layers)  # (each layer's attention or MLP, at least)
+    block = mx.array([[(5 * i) % 250 for i in range(19)]])
+    expected = model(block)
+    with kernels.installed():
+        assert sum(isinstance(m, ReboundModule) for m in model.modules()) == len(kernels.swaps)
+        got = model(block)
+        assert mlx_lm_llama.scaled_dot_product_attention is mlx_lm_base.scaled_dot_product_attention
+        assert mlx_lm_llama.swiglu is mlx_lm_swiglu
+    gap = mx.abs(got - expected).max().item() / mx.abs(expected).max().item()
+    assert 0 < gap <= 1e-5 or family == "gpt_oss", gap  # (our exp and order of operations: the last bits differ)
+    assert not any(isinstance(m, ReboundModule) for m in model.modules())
+    assert mx.array_equal(model(block), expected).item()
+
+
+def test_block_kernels_only_where_they_pay(tiny_dir, monkeypatch):
+    """A float32 model on the CPU; none on a GPU or in half precision."""
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "kernels-where", "llama"))
+    assert cpu_kernels.block_kernels(model, mx.float32) is not None
+    assert cpu_kernels.block_kernels(model, mx.bfloat16) is None
+    monkeypatch.setattr(cpu_kernels, "on_gpu", lambda: True)
+    assert cpu_kernels.block_kernels(model, mx.float32) is None
