@@ -97,3 +97,23 @@ def test_exp_has_exps_gradient():
     x = mx.linspace(-5, 5, 11)
     grad = mx.grad(lambda t: exp(t).sum())(x)
     assert mx.allclose(grad, mx.exp(x), rtol=1e-6).item()
+
+
+def test_a_target_uses_them_for_blocks_only(tiny_dir, monkeypatch):
+    """A verify block runs on them, eager or compiled; a prompt and a one-token step run mlx-lm's
+    code as it is (the first token and every plain step stay mlx-lm's bit for bit)."""
+    from mlx_dflash.target import Target
+
+    calls = []
+    own_attention = cpu_kernels.attention
+    monkeypatch.setattr(cpu_kernels, "attention", lambda *a: calls.append(a[0].shape[2]) or own_attention(*a))
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "kernels-target", "llama"))
+    target = Target(model, [1, 3])
+    cache = target.make_cache()
+    target(mx.array([list(range(30, 50))]), cache, prompt=True)
+    target(mx.array([[7]]), cache)
+    assert calls == []
+    target(mx.array([list(range(60, 76))]), cache)  # (16 tokens: an eager block on the CPU)
+    assert calls == [16] * len(model.layers)
+    target(mx.array([list(range(80, 84))]), cache)  # (4 tokens: a compiled one, traced now)
+    assert calls == [16] * len(model.layers) + [4] * len(model.layers)

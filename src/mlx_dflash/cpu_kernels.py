@@ -1,10 +1,10 @@
 """Attention and SwiGLU of a block on the CPU, on an exponential that vectorizes.
 
 MLX's CPU backend on x86 computes ``exp`` one element at a time (its SIMD layer has no x86
-vectors there; each element calls libm's ``fmaf`` six times, ~22 ns). A one-token step barely
+vectors there; each element calls libm's ``fmaf`` six times, ~25 ns). A one-token step barely
 notices, but a block multiplies the exponentials of attention (heads x block x keys) and of
 SiLU (block x intermediate size) by its length: in a 16-token forward of SmolLM2-135M
-(float32, 300 positions of context) attention took 50 ms and SwiGLU 25 ms of ~197
+(float32, 300 positions of context) attention took 50-56 ms and SwiGLU ~25 ms of ~197
 (BENCHMARKS.md, twentieth session).
 
 ``exp`` below is MLX's own polynomial (2**f on [-1/2, 1/2], degree 6, the same coefficients,

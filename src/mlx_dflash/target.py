@@ -53,7 +53,9 @@ SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(h
 # 1.46x / 1.62x against 1.42x / 1.44x, 16-token 1.09x / 1.09x against 1.20x / 1.20x;
 # `scripts/compare_drafts.py --block-sizes 4 8 16 --eager-blocks`, BENCHMARKS.md, seventeenth
 # session; with OpenBLAS's AVX-512 kernels, eighteenth session: 4 and 8 tokens still ahead
-# compiled, 16 not). None: every block on GPUs, blocks up to CPU_COMPILED_BLOCK tokens on the CPU; True:
+# compiled, 16 not; with cpu_kernels' exponential, twentieth session, 16-token blocks compiled
+# 1.64x / 1.60x against 1.57x / 1.59x eager, adaptive 1.68x / 1.72x against 1.69x / 1.84x: not
+# shown faster). None: every block on GPUs, blocks up to CPU_COMPILED_BLOCK tokens on the CPU; True:
 # every block (tests force the GPU's path on the CPU); False: none, to measure the difference.
 COMPILE_BLOCKS: Optional[bool] = None
 CPU_COMPILED_BLOCK = 8
