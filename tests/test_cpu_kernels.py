@@ -117,3 +117,19 @@ def test_a_target_uses_them_for_blocks_only(tiny_dir, monkeypatch):
     assert calls == [16] * len(model.layers)
     target(mx.array([list(range(80, 84))]), cache)  # (4 tokens: a compiled one, traced now)
     assert calls == [16] * len(model.layers) + [4] * len(model.layers)
+
+
+def test_only_mlx_lms_own_functions_with_their_known_parameters_are_rebound(tiny_dir, monkeypatch):
+    """A module reading another function under one of these names keeps it, and so does every
+    module once mlx-lm's function takes other parameters than ours (a later mlx-lm)."""
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "kernels-names", "llama"))
+    kinds = {type(own).__name__ for _, _, own, _ in BlockKernels(model).swaps}
+    assert kinds == {"Attention", "MLP"}
+    monkeypatch.setitem(mlx_lm_llama.__dict__, "swiglu", lambda gate, x: gate * x)
+    assert {type(own).__name__ for _, _, own, _ in BlockKernels(model).swaps} == {"Attention"}
+
+    def changed(queries, keys, values, cache, scale, mask, sinks=None, window=None):
+        raise AssertionError("not to be called")
+    monkeypatch.setitem(cpu_kernels.MLX_LM_FUNCTIONS, "scaled_dot_product_attention", changed)
+    monkeypatch.setitem(mlx_lm_llama.__dict__, "scaled_dot_product_attention", changed)
+    assert BlockKernels(model).swaps == []

@@ -21,6 +21,7 @@ projections. One-token steps and prompts keep mlx-lm's code and numbers; the dra
 
 from __future__ import annotations
 
+import inspect
 import types
 from contextlib import contextmanager
 from functools import partial
@@ -90,7 +91,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     The query heads sharing a key head are stacked into one matrix (one product per key head),
     and the softmax is normalised after its product with the values (a [queries, head_dim]
     division instead of [queries, keys])."""
-    if not _vectorized_exp_pays(queries):
+    if not _vectorized_exp_pays(queries) or (isinstance(mask, mx.array) and mask.ndim not in (2, 4)):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     B, n_heads, L, D = queries.shape
     n_kv_heads, S = keys.shape[1], keys.shape[2]
@@ -128,6 +129,14 @@ def _block_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) ->
 
 
 REBOUND = {"scaled_dot_product_attention": _block_sdpa, "swiglu": swiglu}  # mlx-lm's name -> ours
+MLX_LM_FUNCTIONS = {"scaled_dot_product_attention": mlx_lm_base.scaled_dot_product_attention, "swiglu": mlx_lm_swiglu}
+
+
+def _same_parameters(name: str) -> bool:
+    """Whether mlx-lm's function still takes the parameters ours does (a later mlx-lm that
+    changed them keeps its own: its modules would call ours with what ours does not know)."""
+    theirs = inspect.signature(MLX_LM_FUNCTIONS[name]).parameters
+    return list(theirs) == list(inspect.signature(REBOUND[name]).parameters)
 
 
 class ReboundModule(nn.Module):
@@ -151,13 +160,18 @@ class ReboundModule(nn.Module):
 
 def _rebound_call(module: nn.Module) -> Optional[Callable]:
     """The module's ``__call__`` with our functions for the ``REBOUND`` names it reads as
-    globals (mlx-lm's modules import them by name), or None when it reads none."""
+    globals where they are mlx-lm's functions (its model files import them by name), or None
+    when it reads none."""
     call = type(module).__call__
     code = getattr(call, "__code__", None)
-    if code is None or not any(name in code.co_names for name in REBOUND):
+    if code is None:
+        return None
+    ours = [name for name in REBOUND if name in code.co_names
+            and call.__globals__.get(name) is MLX_LM_FUNCTIONS[name] and _same_parameters(name)]
+    if not ours:
         return None
     names = dict(call.__globals__)
-    names.update((name, ours) for name, ours in REBOUND.items() if name in code.co_names)
+    names.update((name, REBOUND[name]) for name in ours)
     rebound = types.FunctionType(code, names, call.__name__, call.__defaults__, call.__closure__)
     rebound.__kwdefaults__ = call.__kwdefaults__
     return rebound
