@@ -9,7 +9,7 @@ SiLU (block x intermediate size) by its length: in a 16-token forward of SmolLM2
 
 ``exp`` below is MLX's own polynomial (2**f on [-1/2, 1/2], degree 6, the same coefficients,
 times 2**n made from exponent bits) written as elementwise ops, which ``mx.compile`` fuses into
-loops the C++ compiler vectorizes: 5x faster than ``mx.exp``, within an ulp of it (no fused
+loops the C++ compiler vectorizes: 2-5x faster than ``mx.exp``, within 2 ulp of it (no fused
 multiply-add).
 
 Blocks of a float32 target on the CPU run mlx-lm's own attention and MLP code with its
