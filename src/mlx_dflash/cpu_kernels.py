@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import inspect
 import types
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +33,7 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from .device import on_gpu
+from .projections import Swap, swapped
 
 LOG2_E = 1.4426950408889634
 # MLX's coefficients of 2**f on [-1/2, 1/2] (mlx/backend/cpu/simd/math.h), highest degree first
@@ -183,22 +184,15 @@ class BlockKernels:
     their places for the duration of a block's forward."""
 
     def __init__(self, model: nn.Module):
-        self.swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, name, own, installed)
+        self.swaps: list[Swap] = []
         for parent in model.modules():
             for name, child in parent.children().items():
                 call = _rebound_call(child) if isinstance(child, nn.Module) else None
                 if call is not None:
                     self.swaps.append((parent, name, child, ReboundModule(child, call)))
 
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        for parent, name, _, replacement in self.swaps:
-            setattr(parent, name, replacement)
-        try:
-            yield
-        finally:
-            for parent, name, own, _ in self.swaps:
-                setattr(parent, name, own)
+    def installed(self) -> AbstractContextManager:
+        return swapped(self.swaps)
 
 
 def block_kernels(model: nn.Module, dtype: mx.Dtype) -> Optional[BlockKernels]:

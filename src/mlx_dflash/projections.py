@@ -97,6 +97,21 @@ class RowwiseProjection(nn.Module):
         return self.product(x)
 
 
+Swap = tuple[nn.Module, str, nn.Module, nn.Module]  # (parent, child's name, its own module, the one installed)
+
+
+@contextmanager
+def swapped(swaps: list[Swap]) -> Iterator[None]:
+    """Each parent's child replaced by the installed module for the duration, then its own again."""
+    for parent, name, _, replacement in swaps:
+        setattr(parent, name, replacement)
+    try:
+        yield
+    finally:
+        for parent, name, own, _ in swaps:
+            setattr(parent, name, own)
+
+
 def _packable(linears: list[nn.Module]) -> bool:
     """Same layer type (plain or quantized alike), input size, bias and quantization."""
     first = linears[0]
@@ -113,7 +128,7 @@ class BlockProjections:
     duration of a trace."""
 
     def __init__(self, model: nn.Module, pack: bool, rowwise: bool):
-        self.swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, name, own, installed)
+        self.swaps: list[Swap] = []
         self.embeddings: list[nn.Embedding] = []  # tied heads: ``as_linear`` row by row
         grouped = set()
         for module in model.modules():
@@ -148,15 +163,12 @@ class BlockProjections:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        for parent, name, _, replacement in self.swaps:
-            setattr(parent, name, replacement)
         for embedding in self.embeddings:
             embedding.as_linear = lambda x, weight=embedding.weight: rowwise_product(x, weight)
         try:
-            yield
+            with swapped(self.swaps):
+                yield
         finally:
-            for parent, name, own, _ in self.swaps:
-                setattr(parent, name, own)
             for embedding in self.embeddings:
                 del embedding.as_linear  # (the instance attribute: the class's method again)
             for _, _, _, replacement in self.swaps:
