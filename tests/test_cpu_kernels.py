@@ -1,16 +1,19 @@
-"""cpu_kernels: the vectorized exponential, the attention and SwiGLU built on it, and their
-per-instance installation in a target's blocks."""
+"""cpu_kernels: the vectorized exponential, the attention and SwiGLU built on it, RoPE on shared
+tables, and their per-instance installation in a target's blocks."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm.models.base as mlx_lm_base
 import mlx_lm.models.llama as mlx_lm_llama
 import numpy as np
 import pytest
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import load_tiny, make_tiny_target
 
 from mlx_dflash import cpu_kernels
-from mlx_dflash.cpu_kernels import BlockKernels, ReboundModule, attention, exp, swiglu
+from mlx_dflash.cpu_kernels import BlockKernels, ReboundModule, attention, exp, rope, swiglu
+from mlx_dflash.projections import swapped
 
 
 def test_exp_is_within_an_ulp_of_mlx_exp():
@@ -60,6 +63,53 @@ def test_one_query_and_half_precision_keep_mlxs_own_kernels():
     assert mx.array_equal(swiglu(gate, gate), mlx_lm_swiglu(gate, gate)).item()
 
 
+@pytest.mark.parametrize("base,scale", [(10_000.0, 1.0), (100_000.0, 0.25), (1e6, 1.0)])
+def test_rope_is_nn_ropes_bit_for_bit(base, scale, monkeypatch):
+    """Every length and offset, queries and keys of one forward sharing one table."""
+    module = nn.RoPE(32, base=base, scale=scale)
+    for length in (1, 5, 16):
+        for offset in (0, 7, 300, 40_000):
+            for heads in (6, 2):
+                x = mx.random.normal((1, heads, length, 32)) * 3
+                assert mx.array_equal(rope(module, x, offset), module(x, offset=offset)).item()
+    made = cpu_kernels._rotations.cache_info().misses
+    rope(module, mx.random.normal((1, 6, 5, 32)), 123), rope(module, mx.random.normal((1, 2, 5, 32)), 123)
+    assert cpu_kernels._rotations.cache_info().misses == made + 1
+
+
+def test_rope_leaves_other_cases_to_the_module(monkeypatch):
+    """Traditional or partial rotations, subclasses (their own frequencies), offsets on the
+    device, half precision and GPUs: the module's own call."""
+    monkeypatch.setattr(cpu_kernels, "_rotate", lambda *a: pytest.fail("not ours to rotate"))
+
+    class Scaled(nn.RoPE):
+        pass
+    x = mx.random.normal((1, 2, 4, 32))
+    for module, t, offset in [(nn.RoPE(32, traditional=True), x, 3), (nn.RoPE(16), x, 3), (Scaled(32), x, 3),
+                              (nn.RoPE(32), x, mx.array(3)), (nn.RoPE(32), x.astype(mx.bfloat16), 3)]:
+        assert mx.array_equal(rope(module, t, offset), module(t, offset=offset)).item()
+    monkeypatch.setattr(cpu_kernels, "on_gpu", lambda: True)
+    assert mx.array_equal(rope(nn.RoPE(32), x, 3), nn.RoPE(32)(x, offset=3)).item()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_models_rope_swapped_alone_changes_no_bit(tiny_dir, family):
+    """Each layer's RoPE module replaced by ``rope`` (a block of 19 tokens after a prompt of 6,
+    so every layer rotates at offset 6 from one shared table): the model's very outputs."""
+    model, _ = load_tiny(make_tiny_target(tiny_dir / f"kernels-rope-{family}", family))
+    ropes = [swap for swap in BlockKernels(model).swaps if type(swap[2]) is nn.RoPE]
+    assert len(ropes) == len(model.layers)
+    prompt, block = mx.array([[3, 1, 4, 1, 5, 9]]), mx.array([[(5 * i) % 250 for i in range(19)]])
+    cache = make_prompt_cache(model)
+    model(prompt, cache=cache)
+    expected = model(block, cache=cache)
+    for layer_cache in cache:
+        layer_cache.trim(19)
+    with swapped(ropes):
+        got = model(block, cache=cache)
+    assert mx.array_equal(got, expected).item()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_5"])
 def test_block_kernels_give_the_models_own_outputs(tiny_dir, family):
     """Installed, each attention and SwiGLU module runs mlx-lm's own code with our functions
@@ -73,13 +123,13 @@ def test_block_kernels_give_the_models_own_outputs(tiny_dir, family):
     block = mx.array([[(5 * i) % 250 for i in range(19)]])
     expected = model(block)
     with kernels.installed():
-        assert sum(isinstance(m, ReboundModule) for m in model.modules()) == len(kernels.swaps)
+        assert all(isinstance(parent[name], ReboundModule) for parent, name, _, _ in kernels.swaps)
         got = model(block)
         assert mlx_lm_llama.scaled_dot_product_attention is mlx_lm_base.scaled_dot_product_attention
         assert mlx_lm_llama.swiglu is mlx_lm_swiglu
     gap = mx.abs(got - expected).max().item() / mx.abs(expected).max().item()
     assert 0 < gap <= 1e-5 or family == "gpt_oss", gap  # (our exp and order of operations: the last bits differ)
-    assert not any(isinstance(m, ReboundModule) for m in model.modules())
+    assert all(parent[name] is own for parent, name, own, _ in kernels.swaps)
     assert mx.array_equal(model(block), expected).item()
 
 
@@ -121,15 +171,16 @@ def test_a_target_uses_them_for_blocks_only(tiny_dir, monkeypatch):
 
 def test_only_mlx_lms_own_functions_with_their_known_parameters_are_rebound(tiny_dir, monkeypatch):
     """A module reading another function under one of these names keeps it, and so does every
-    module once mlx-lm's function takes other parameters than ours (a later mlx-lm)."""
+    module once mlx-lm's function takes other parameters than ours (a later mlx-lm); RoPE
+    modules are swapped for ``rope`` regardless."""
     model, _ = load_tiny(make_tiny_target(tiny_dir / "kernels-names", "llama"))
     kinds = {type(own).__name__ for _, _, own, _ in BlockKernels(model).swaps}
-    assert kinds == {"Attention", "MLP"}
+    assert kinds == {"Attention", "MLP", "RoPE"}
     monkeypatch.setitem(mlx_lm_llama.__dict__, "swiglu", lambda gate, x: gate * x)
-    assert {type(own).__name__ for _, _, own, _ in BlockKernels(model).swaps} == {"Attention"}
+    assert {type(own).__name__ for _, _, own, _ in BlockKernels(model).swaps} == {"Attention", "RoPE"}
 
     def changed(queries, keys, values, cache, scale, mask, sinks=None, window=None):
         raise AssertionError("not to be called")
     monkeypatch.setitem(cpu_kernels.MLX_LM_FUNCTIONS, "scaled_dot_product_attention", changed)
     monkeypatch.setitem(mlx_lm_llama.__dict__, "scaled_dot_product_attention", changed)
-    assert BlockKernels(model).swaps == []
+    assert {type(own).__name__ for _, _, own, _ in BlockKernels(model).swaps} == {"RoPE"}

@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .cpu_kernels import attention, swiglu
+from .cpu_kernels import attention, rope, swiglu
 from .device import on_apple_gpu, on_gpu
 from .errors import DFlashError
 from .rollback import device_count, read_length, reserve
@@ -186,7 +186,7 @@ class DraftAttention(nn.Module):
 
     def context_kv(self, context: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """Projected, normed, RoPE'd K/V of context features (what the draft cache stores)."""
-        keys = self.rope(self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads)), offset=offset)
+        keys = rope(self.rope, self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads)), offset)
         values = self._heads(self.v_proj(context), self.n_kv_heads)
         return keys, values
 
@@ -229,8 +229,8 @@ class DraftAttention(nn.Module):
         """Block queries over the cached context and the block itself; ``mask``: ``block_mask``."""
         B, L, _ = x.shape
         start = cache.position  # the block's first token sits right after the context
-        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), offset=start)
-        keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), offset=start)
+        queries = rope(self.rope, self.q_norm(self._heads(self.q_proj(x), self.n_heads)), start)
+        keys = rope(self.rope, self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), start)
         values = self._heads(self.v_proj(x), self.n_kv_heads)
         ctx_k, ctx_v = cache.fetch()
         if ctx_k is not None:
