@@ -105,13 +105,14 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     q = (queries * scale).reshape(B, n_kv_heads, repeats * L, D)  # rows: (query head, position)
     scores = q @ keys.swapaxes(-1, -2)  # [B, kv heads, repeats * L, S]
     if isinstance(mask, str):  # "causal": the block's queries are the last L positions
-        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None]
-    if mask is not None:
+        mask = _causal_mask(L, S, repeats)
+    elif mask is not None:
         if mask.ndim == 4:  # [B or 1, heads or 1, L, S]: the stacked heads' layout
             mask = mx.broadcast_to(mask, (mask.shape[0], n_heads, L, S))
             mask = mask.reshape(mask.shape[0], n_kv_heads, repeats * L, S)
         elif repeats > 1:
             mask = mx.tile(mask, (repeats, 1))
+    if mask is not None:
         if mask.dtype == mx.bool_:
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
@@ -119,6 +120,13 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     weights = exp(scores - scores.max(axis=-1, keepdims=True))
     out = (weights @ values) / weights.sum(axis=-1, keepdims=True)
     return out.reshape(B, n_heads, L, D)
+
+
+@lru_cache(maxsize=4)
+def _causal_mask(length: int, keys: int, repeats: int) -> mx.array:
+    """[repeats * length, keys]: the last ``length`` positions' causal mask, once per query
+    head sharing a key head (made once for all the layers of a forward)."""
+    return mx.tile(mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None], (repeats, 1))
 
 
 def rope(module: nn.Module, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
