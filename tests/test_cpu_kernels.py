@@ -151,18 +151,21 @@ def test_exp_has_exps_gradient():
 
 def test_a_target_uses_them_for_blocks_only(tiny_dir, monkeypatch):
     """A verify block runs on them, eager or compiled; a prompt and a one-token step run mlx-lm's
-    code as it is (the first token and every plain step stay mlx-lm's bit for bit)."""
+    code with RoPE from shared tables alone (the first token and every plain step stay mlx-lm's
+    bit for bit)."""
     from mlx_dflash.target import Target
 
-    calls = []
-    own_attention = cpu_kernels.attention
+    calls, rotations = [], []
+    own_attention, own_rotate = cpu_kernels.attention, cpu_kernels._rotate
     monkeypatch.setattr(cpu_kernels, "attention", lambda *a: calls.append(a[0].shape[2]) or own_attention(*a))
+    monkeypatch.setattr(cpu_kernels, "_rotate", lambda *a: rotations.append(a[0].shape[2]) or own_rotate(*a))
     model, _ = load_tiny(make_tiny_target(tiny_dir / "kernels-target", "llama"))
     target = Target(model, [1, 3])
-    cache = target.make_cache()
-    target(mx.array([list(range(30, 50))]), cache, prompt=True)
-    target(mx.array([[7]]), cache)
-    assert calls == []
+    cache, own_cache = target.make_cache(), make_prompt_cache(model)
+    prompt, step = mx.array([list(range(30, 50))]), mx.array([[7]])
+    assert mx.array_equal(target(prompt, cache, prompt=True)[0], model(prompt, cache=own_cache)).item()
+    assert mx.array_equal(target(step, cache)[0], model(step, cache=own_cache)).item()
+    assert calls == [] and rotations == [20] * 2 * len(model.layers) + [1] * 2 * len(model.layers)
     target(mx.array([list(range(60, 76))]), cache)  # (16 tokens: an eager block on the CPU)
     assert calls == [16] * len(model.layers)
     target(mx.array([list(range(80, 84))]), cache)  # (4 tokens: a compiled one, traced now)

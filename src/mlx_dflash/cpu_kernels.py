@@ -20,7 +20,8 @@ Blocks of a float32 target on the CPU run mlx-lm's own attention and MLP code wi
 ``scaled_dot_product_attention`` and ``swiglu`` bound to the versions here, and ``rope`` in
 place of its ``nn.RoPE`` modules, per module instance (``BlockKernels``; no class or module of
 mlx-lm is patched), the way ``projections.py`` swaps projections. One-token steps and prompts
-keep mlx-lm's code and numbers; the draft calls ``attention``, ``swiglu`` and ``rope`` directly.
+keep mlx-lm's code and numbers, with ``rope`` alone (its numbers are the module's); the draft
+calls ``attention``, ``swiglu`` and ``rope`` directly.
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ def _block_call(module: nn.Module) -> Optional[Callable]:
 class BlockKernels:
     """The attention and MLP modules of one model instance that call mlx-lm's
     ``scaled_dot_product_attention`` or ``swiglu``, and its ``nn.RoPE`` modules; ``installed()``
-    puts rebound copies (and ``rope``) in their places for the duration of a block's forward."""
+    puts rebound copies (and ``rope``) in their places for the duration of a block's forward;
+    ``exact()`` only ``rope``, whose numbers are the module's own, for any other forward."""
 
     def __init__(self, model: nn.Module):
         self.swaps: list[Swap] = []
@@ -236,9 +238,13 @@ class BlockKernels:
                 call = _block_call(child) if isinstance(child, nn.Module) else None
                 if call is not None:
                     self.swaps.append((parent, name, child, ReboundModule(child, call)))
+        self.rope_swaps = [swap for swap in self.swaps if type(swap[2]) is nn.RoPE]
 
     def installed(self) -> AbstractContextManager:
         return swapped(self.swaps)
+
+    def exact(self) -> AbstractContextManager:
+        return swapped(self.rope_swaps)
 
 
 def block_kernels(model: nn.Module, dtype: mx.Dtype) -> Optional[BlockKernels]:

@@ -127,7 +127,7 @@ class Target:
         self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
         self._install_taps()
         self._block_mixers = self._install_block_mixers()  # recurrent layer index -> its mixer
-        self._block_kernels = block_kernels(model, float_dtype(model))  # CPU: attention and SwiGLU of blocks
+        self._block_kernels = block_kernels(model, float_dtype(model))  # CPU: attention, SwiGLU, RoPE
 
     # -- structure -------------------------------------------------------
     @property
@@ -258,9 +258,12 @@ class Target:
         return logits, features
 
     def _forward(self, tokens: mx.array, cache: list[Any], block: bool = False) -> tuple[mx.array, mx.array]:
-        """The model's own forward, recording the taps; a ``block`` (a verify) with
-        ``cpu_kernels``' attention and SwiGLU where they apply."""
-        kernels = self._block_kernels.installed() if block and self._block_kernels else nullcontext()
+        """The model's own forward, recording the taps; on the CPU in float32 with
+        ``cpu_kernels``' RoPE tables, and a ``block`` (a verify) with its attention and SwiGLU."""
+        if self._block_kernels is None:
+            kernels = nullcontext()
+        else:  # (steps and prompts: RoPE from shared tables alone, mlx-lm's numbers bit for bit)
+            kernels = self._block_kernels.installed() if block else self._block_kernels.exact()
         self.recorder.active = True
         try:
             with kernels:
