@@ -64,7 +64,7 @@ def test_one_query_and_half_precision_keep_mlxs_own_kernels():
 
 
 @pytest.mark.parametrize("base,scale", [(10_000.0, 1.0), (100_000.0, 0.25), (1e6, 1.0)])
-def test_rope_is_nn_ropes_bit_for_bit(base, scale, monkeypatch):
+def test_rope_is_nn_ropes_bit_for_bit(base, scale):
     """Every length and offset, queries and keys of one forward sharing one table."""
     module = nn.RoPE(32, base=base, scale=scale)
     for length in (1, 5, 16):
@@ -97,8 +97,8 @@ def test_a_models_rope_swapped_alone_changes_no_bit(tiny_dir, family):
     """Each layer's RoPE module replaced by ``rope`` (a block of 19 tokens after a prompt of 6,
     so every layer rotates at offset 6 from one shared table): the model's very outputs."""
     model, _ = load_tiny(make_tiny_target(tiny_dir / f"kernels-rope-{family}", family))
-    ropes = [swap for swap in BlockKernels(model).swaps if type(swap[2]) is nn.RoPE]
-    assert len(ropes) == len(model.layers)
+    ropes = BlockKernels(model).rope_swaps  # (what ``exact()`` installs)
+    assert len(ropes) == len(model.layers) and all(type(swap[2]) is nn.RoPE for swap in ropes)
     prompt, block = mx.array([[3, 1, 4, 1, 5, 9]]), mx.array([[(5 * i) % 250 for i in range(19)]])
     cache = make_prompt_cache(model)
     model(prompt, cache=cache)
@@ -149,7 +149,7 @@ def test_exp_has_exps_gradient():
     assert mx.allclose(grad, mx.exp(x), rtol=1e-6).item()
 
 
-def test_a_target_uses_them_for_blocks_only(tiny_dir, monkeypatch):
+def test_a_target_uses_them_for_blocks_and_only_rope_elsewhere(tiny_dir, monkeypatch):
     """A verify block runs on them, eager or compiled; a prompt and a one-token step run mlx-lm's
     code with RoPE from shared tables alone (the first token and every plain step stay mlx-lm's
     bit for bit)."""
