@@ -137,8 +137,8 @@ def rope(module: nn.Module, x: mx.array, offset: Union[int, mx.array] = 0) -> mx
     MLX's CPU RoPE builds its tables from positions, exp, cos and sin on every call (~190 us, a
     30-layer model calls it 60 times a forward, at any length); the layers of one forward share
     their positions. The tables are MLX's own: its RoPE of (1, 0) pairs."""
-    if not (type(module) is nn.RoPE and not module.traditional and module.dims == x.shape[-1]
-            and isinstance(offset, int) and x.dtype == mx.float32 and SHARE_ROPE_TABLES and not on_gpu()):
+    if not (SHARE_ROPE_TABLES and _cpu_float32(x.dtype) and type(module) is nn.RoPE and not module.traditional
+            and module.dims == x.shape[-1] and isinstance(offset, int)):
         return module(x, offset=offset)
     return _rotate(x, _rotations(module.dims, module.base, module.scale, offset, x.shape[-2]))
 
@@ -160,9 +160,15 @@ def _rotate(x: mx.array, rotations: mx.array) -> mx.array:
     return mx.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)  # MLX's order
 
 
+def _cpu_float32(dtype: mx.Dtype) -> bool:
+    """Where this module's functions apply: the CPU (on GPUs MLX's own kernels are the fast
+    ones) in float32 (in half precision the polynomial would lose digits)."""
+    return not on_gpu() and dtype == mx.float32
+
+
 def _vectorized_exp_pays(x: mx.array) -> bool:
-    """The CPU, float32 (in half precision the polynomial would lose digits), and a block."""
-    return USE_CPU_KERNELS and not on_gpu() and x.dtype == mx.float32 and x.shape[-2] > 1
+    """The CPU in float32, and a block."""
+    return USE_CPU_KERNELS and _cpu_float32(x.dtype) and x.shape[-2] > 1
 
 
 def _block_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
@@ -249,6 +255,4 @@ class BlockKernels:
 
 def block_kernels(model: nn.Module, dtype: mx.Dtype) -> Optional[BlockKernels]:
     """``BlockKernels`` for a float32 model on the CPU, else None (its own code is the fast one)."""
-    if on_gpu() or dtype != mx.float32:
-        return None
-    return BlockKernels(model)
+    return BlockKernels(model) if _cpu_float32(dtype) else None
