@@ -37,7 +37,8 @@ import mlx.nn as nn
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
-from .device import on_gpu
+from . import cuda_attention
+from .device import on_cuda, on_gpu
 from .projections import Swap, swapped
 
 LOG2_E = 1.4426950408889634
@@ -93,11 +94,14 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
               mask: Union[None, str, mx.array]) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention`` (no sinks); on the CPU in float32 with ``exp``.
+    """``mx.fast.scaled_dot_product_attention`` (no sinks); on the CPU in float32 with ``exp``;
+    a block's queries on CUDA in one launch (``cuda_attention``).
 
     The query heads sharing a key head are stacked into one matrix (one product per key head),
     and the softmax is normalised after its product with the values (a [queries, head_dim]
     division instead of [queries, keys])."""
+    if cuda_attention.fits(queries, keys, mask):
+        return cuda_attention.block_attention(queries, keys, values, scale, mask)
     if not _vectorized_exp_pays(queries) or (isinstance(mask, mx.array) and mask.ndim not in (2, 4)):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     B, n_heads, L, D = queries.shape
@@ -209,24 +213,24 @@ class ReboundModule(nn.Module):
             return getattr(self.call.args[0], name)
 
 
-def _block_call(module: nn.Module) -> Optional[Callable]:
-    """What a block calls in the module's place, given the module: ``rope`` for an ``nn.RoPE``;
-    else the module's ``__call__`` with our functions for the ``REBOUND`` names it reads as
-    globals where they are mlx-lm's functions (its model files import them by name); None for
-    a module with neither."""
+def _block_call(module: nn.Module, names: tuple[str, ...]) -> Optional[Callable]:
+    """What a block calls in the module's place, given the module and what to replace
+    (``REBOUND`` names, and "rope"): ``rope`` for an ``nn.RoPE``; else the module's ``__call__``
+    with our functions for those of the names it reads as globals where they are mlx-lm's
+    functions (its model files import them by name); None for a module with neither."""
     if type(module) is nn.RoPE:
-        return rope
+        return rope if "rope" in names else None
     call = type(module).__call__
     code = getattr(call, "__code__", None)
     if code is None:
         return None
-    ours = [name for name in REBOUND if name in code.co_names
+    ours = [name for name in names if name in REBOUND and name in code.co_names
             and call.__globals__.get(name) is MLX_LM_FUNCTIONS[name] and _same_parameters(name)]
     if not ours:
         return None
-    names = dict(call.__globals__)
-    names.update((name, REBOUND[name]) for name in ours)
-    rebound = types.FunctionType(code, names, call.__name__, call.__defaults__, call.__closure__)
+    namespace = dict(call.__globals__)
+    namespace.update((name, REBOUND[name]) for name in ours)
+    rebound = types.FunctionType(code, namespace, call.__name__, call.__defaults__, call.__closure__)
     rebound.__kwdefaults__ = call.__kwdefaults__
     return rebound
 
@@ -237,11 +241,11 @@ class BlockKernels:
     puts rebound copies (and ``rope``) in their places for the duration of a block's forward;
     ``exact()`` only ``rope``, whose numbers are the module's own, for any other forward."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, names: tuple[str, ...] = (*REBOUND, "rope")):
         self.swaps: list[Swap] = []
         for parent in model.modules():
             for name, child in parent.children().items():
-                call = _block_call(child) if isinstance(child, nn.Module) else None
+                call = _block_call(child, names) if isinstance(child, nn.Module) else None
                 if call is not None:
                     self.swaps.append((parent, name, child, ReboundModule(child, call)))
         self.rope_swaps = [swap for swap in self.swaps if type(swap[2]) is nn.RoPE]
@@ -254,5 +258,10 @@ class BlockKernels:
 
 
 def block_kernels(model: nn.Module, dtype: mx.Dtype) -> Optional[BlockKernels]:
-    """``BlockKernels`` for a float32 model on the CPU, else None (its own code is the fast one)."""
-    return BlockKernels(model) if _cpu_float32(dtype) else None
+    """``BlockKernels`` for a float32 model on the CPU; on CUDA for its blocks' attention alone
+    (``cuda_attention``); else None (its own code is the fast one)."""
+    if _cpu_float32(dtype):
+        return BlockKernels(model)
+    if on_cuda() and cuda_attention.USE_CUDA_ATTENTION:
+        return BlockKernels(model, names=("scaled_dot_product_attention",))
+    return None

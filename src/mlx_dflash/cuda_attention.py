@@ -1,0 +1,121 @@
+"""Block attention on NVIDIA GPUs in one kernel launch.
+
+MLX's CUDA backend has a fused attention kernel for one query only; the queries of a block
+(a verify's 2-64 tokens, a draft pass's block) take its fallback instead: a scaled copy of
+the queries, a cuBLAS matmul, the mask, a softmax and a second matmul, five launches a layer.
+On an H200 a small model's cycle is bound by the host launching kernels (SmolLM2-135M: a
+16-token verify's attention 2.33 ms over 30 layers against 0.40 ms for one query; BENCHMARKS.md,
+fifth and seventeenth sessions), so ``block_attention`` computes it in one launch: one thread
+block per (query, head, batch), its warps walking the keys with an online softmax in float32,
+merged in shared memory at the end (the one-query kernel's scheme, for many queries and a mask).
+
+It takes what a block's attention passes (``mx.fast.scaled_dot_product_attention``'s
+arguments): no mask, "causal", or a boolean [queries, keys] mask; head sizes a multiple of 32
+up to 256; any strides (no copies of the transposed queries or of a cache's sliced buffer).
+Anything else, and any other backend, keeps MLX's own call (``fits``).
+"""
+
+from __future__ import annotations
+
+import struct
+from functools import lru_cache
+from typing import Union
+
+import mlx.core as mx
+
+from .device import on_cuda
+
+USE_CUDA_ATTENTION = True  # False: MLX's own call everywhere (to measure the difference)
+WARPS = 16  # warps per (query, head): each walks every WARPS-th key
+MAX_HEAD_DIM = 256
+
+_SOURCE = """
+    constexpr int per_lane = D / 32;
+    const float lowest = -__int_as_float(0x7f800000);  // -infinity
+    const int lane = threadIdx.x, warp = threadIdx.y;
+    const int i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // query position, query head, batch
+    const int L = q_shape[2], S = k_shape[2];
+    const int kv_h = h / (q_shape[1] / k_shape[1]);  // query heads sharing a key head are adjacent
+    const T* qp = q + b * q_strides[0] + h * q_strides[1] + i * q_strides[2];
+    const T* kp = k + b * k_strides[0] + kv_h * k_strides[1];
+    const T* vp = v + b * v_strides[0] + kv_h * v_strides[1];
+    float query[per_lane], acc[per_lane];
+    for (int d = 0; d < per_lane; ++d) {
+      query[d] = __int_as_float(ScaleBits) * static_cast<float>(qp[(d * 32 + lane) * q_strides[3]]);
+      acc[d] = 0.0f;
+    }
+    float top = lowest, total = 0.0f;  // this warp's running max and sum of exponentials
+    for (int j = warp; j < S; j += Warps) {
+      bool visible = true;
+      if (MaskKind == 1) visible = j <= S - L + i;  // causal: the queries are the last L positions
+      if (MaskKind == 2) visible = mask[i * mask_strides[0] + j * mask_strides[1]];
+      if (!visible) continue;  // (the same j for the whole warp)
+      float score = 0.0f;
+      for (int d = 0; d < per_lane; ++d)
+        score += query[d] * static_cast<float>(kp[j * k_strides[2] + (d * 32 + lane) * k_strides[3]]);
+      for (int gap = 16; gap > 0; gap >>= 1) score += __shfl_xor_sync(0xffffffff, score, gap);
+      const float new_top = fmaxf(top, score);
+      const float rescale = expf(top - new_top), weight = expf(score - new_top);
+      total = total * rescale + weight;
+      for (int d = 0; d < per_lane; ++d)
+        acc[d] = acc[d] * rescale + weight * static_cast<float>(vp[j * v_strides[2] + (d * 32 + lane) * v_strides[3]]);
+      top = new_top;
+    }
+    __shared__ float tops[Warps], totals[Warps], accs[Warps][D];
+    if (lane == 0) { tops[warp] = top; totals[warp] = total; }
+    for (int d = 0; d < per_lane; ++d) accs[warp][d * 32 + lane] = acc[d];
+    __syncthreads();
+    for (int c = warp * 32 + lane; c < D; c += Warps * 32) {
+      float overall = lowest;
+      for (int w = 0; w < Warps; ++w) overall = fmaxf(overall, tops[w]);
+      float sum = 0.0f, value = 0.0f;
+      for (int w = 0; w < Warps; ++w) {
+        const float factor = tops[w] == lowest ? 0.0f : expf(tops[w] - overall);
+        sum += totals[w] * factor;
+        value += accs[w][c] * factor;
+      }
+      out[((size_t)(b * gridDim.y + h) * L + i) * D + c] = static_cast<T>(sum > 0.0f ? value / sum : 0.0f);
+    }
+"""
+_kernel = None  # built at first use (needs MLX's CUDA backend)
+
+
+@lru_cache(maxsize=1)
+def _placeholder_mask() -> mx.array:
+    return mx.ones((1, 1), mx.bool_)
+
+
+def fits(queries: mx.array, keys: mx.array, mask: Union[None, str, mx.array]) -> bool:
+    """Whether ``block_attention`` takes this call: on CUDA, several queries, a head size it
+    handles, key heads dividing query heads, and a mask it reads."""
+    D = queries.shape[-1]
+    if isinstance(mask, mx.array):
+        mask_ok = mask.dtype == mx.bool_ and mask.ndim == 2
+    else:
+        mask_ok = mask is None or mask == "causal"
+    return (USE_CUDA_ATTENTION and on_cuda() and queries.ndim == 4 and queries.shape[2] > 1 and mask_ok
+            and D % 32 == 0 and D <= MAX_HEAD_DIM and keys.shape[-1] == D
+            and queries.shape[1] % keys.shape[1] == 0)
+
+
+def block_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                    mask: Union[None, str, mx.array]) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)``
+    for a call ``fits`` takes: [B, heads, L, D] queries, [B, key heads, S, D] keys and values."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="dflash_block_attention", input_names=["q", "k", "v", "mask"], output_names=["out"],
+            source=_SOURCE, ensure_row_contiguous=False)
+    B, n_heads, L, D = queries.shape
+    if isinstance(mask, mx.array):
+        kind, mask_input = 2, mask
+    else:  # (the kernel reads no mask: any small boolean array fills its place)
+        kind, mask_input = (1 if mask == "causal" else 0), _placeholder_mask()
+    scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]  # (templates take ints: the float's bits)
+    (out,) = _kernel(
+        inputs=[queries, keys, values, mask_input],
+        template=[("T", queries.dtype), ("D", D), ("Warps", WARPS), ("MaskKind", kind), ("ScaleBits", scale_bits)],
+        grid=(L * 32, n_heads * WARPS, B), threadgroup=(32, WARPS, 1),
+        output_shapes=[(B, n_heads, L, D)], output_dtypes=[queries.dtype])
+    return out
