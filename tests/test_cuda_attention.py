@@ -23,22 +23,24 @@ def _qkv(heads=9, kv_heads=3, length=16, keys=40, dim=64, dtype=mx.float32):
 def test_it_takes_block_attention_on_cuda_only(monkeypatch):
     """Off CUDA never; on CUDA several queries under no mask, "causal" or a boolean [queries,
     keys] mask, head sizes that are multiples of 32 up to 256, key heads dividing query heads."""
-    q, k, _ = _qkv()
+    q, k, v = _qkv()
     visible = visible_keys(40, mx.array(24), 16)
-    assert cuda_attention.fits(q, k, visible) == on_cuda()
+    assert cuda_attention.fits(q, k, v, visible) == on_cuda()
     monkeypatch.setattr(cuda_attention, "on_cuda", lambda: True)
     for mask in (None, "causal", visible):
-        assert cuda_attention.fits(q, k, mask)
+        assert cuda_attention.fits(q, k, v, mask)
     for dim in (128, 256):
-        assert cuda_attention.fits(*_qkv(dim=dim)[:2], visible)
-    assert not cuda_attention.fits(q[:, :, :1], k, None)  # one query: MLX's own fused kernel
-    assert not cuda_attention.fits(*_qkv(dim=80)[:2], None)
-    assert not cuda_attention.fits(*_qkv(dim=512)[:2], None)
-    assert not cuda_attention.fits(*_qkv(heads=8)[:2], None)  # 8 query heads over 3 key heads
-    assert not cuda_attention.fits(q, k, mx.where(visible, 0.0, -1e9))  # additive
-    assert not cuda_attention.fits(q, k, visible[None, None])  # [B, heads, L, S]
+        assert cuda_attention.fits(*_qkv(dim=dim), visible)
+    assert not cuda_attention.fits(q[:, :, :1], k, v, None)  # one query: MLX's own fused kernel
+    assert not cuda_attention.fits(*_qkv(dim=80), None)
+    assert not cuda_attention.fits(*_qkv(dim=512), None)
+    assert not cuda_attention.fits(*_qkv(heads=8), None)  # 8 query heads over 3 key heads
+    assert not cuda_attention.fits(q, k, v[..., :32], None)  # values of another size
+    assert not cuda_attention.fits(q, k, v, mx.where(visible, 0.0, -1e9))  # additive
+    assert not cuda_attention.fits(q, k, v, visible[None, None])  # [B, heads, L, S]
+    assert not cuda_attention.fits(q, k, v, visible[:1])  # [1, S]: broadcast over the queries
     monkeypatch.setattr(cuda_attention, "USE_CUDA_ATTENTION", False)
-    assert not cuda_attention.fits(q, k, visible)
+    assert not cuda_attention.fits(q, k, v, visible)
 
 
 def test_a_cuda_target_rebinds_attention_alone(tiny_dir, monkeypatch):

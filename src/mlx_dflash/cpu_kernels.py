@@ -22,6 +22,9 @@ place of its ``nn.RoPE`` modules, per module instance (``BlockKernels``; no clas
 mlx-lm is patched), the way ``projections.py`` swaps projections. One-token steps and prompts
 keep mlx-lm's code and numbers, with ``rope`` alone (its numbers are the module's); the draft
 calls ``attention``, ``swiglu`` and ``rope`` directly.
+
+On CUDA the same binding gives a block's attention to ``cuda_attention`` (one kernel launch
+instead of MLX's five a layer) and leaves everything else to MLX's own GPU kernels.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     The query heads sharing a key head are stacked into one matrix (one product per key head),
     and the softmax is normalised after its product with the values (a [queries, head_dim]
     division instead of [queries, keys])."""
-    if cuda_attention.fits(queries, keys, mask):
+    if cuda_attention.fits(queries, keys, values, mask):
         return cuda_attention.block_attention(queries, keys, values, scale, mask)
     if not _vectorized_exp_pays(queries) or (isinstance(mask, mx.array) and mask.ndim not in (2, 4)):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

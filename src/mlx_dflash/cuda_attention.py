@@ -85,16 +85,16 @@ def _placeholder_mask() -> mx.array:
     return mx.ones((1, 1), mx.bool_)
 
 
-def fits(queries: mx.array, keys: mx.array, mask: Union[None, str, mx.array]) -> bool:
-    """Whether ``block_attention`` takes this call: on CUDA, several queries, a head size it
-    handles, key heads dividing query heads, and a mask it reads."""
+def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, str, mx.array]) -> bool:
+    """Whether ``block_attention`` takes this call: on CUDA, several queries, one head size for
+    queries, keys and values that it handles, key heads dividing query heads, and a mask it reads."""
     D = queries.shape[-1]
     if isinstance(mask, mx.array):
-        mask_ok = mask.dtype == mx.bool_ and mask.ndim == 2
+        mask_ok = mask.dtype == mx.bool_ and mask.shape == (queries.shape[2], keys.shape[2])
     else:
         mask_ok = mask is None or mask == "causal"
     return (USE_CUDA_ATTENTION and on_cuda() and queries.ndim == 4 and queries.shape[2] > 1 and mask_ok
-            and D % 32 == 0 and D <= MAX_HEAD_DIM and keys.shape[-1] == D
+            and D % 32 == 0 and D <= MAX_HEAD_DIM and keys.shape[-1] == D and values.shape[-1] == D
             and queries.shape[1] % keys.shape[1] == 0)
 
 

@@ -127,7 +127,7 @@ class Target:
         self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
         self._install_taps()
         self._block_mixers = self._install_block_mixers()  # recurrent layer index -> its mixer
-        self._block_kernels = block_kernels(model, float_dtype(model))  # CPU: attention, SwiGLU, RoPE
+        self._block_kernels = block_kernels(model, float_dtype(model))  # CPU: attention, SwiGLU, RoPE; CUDA: attention
 
     # -- structure -------------------------------------------------------
     @property
@@ -259,7 +259,8 @@ class Target:
 
     def _forward(self, tokens: mx.array, cache: list[Any], block: bool = False) -> tuple[mx.array, mx.array]:
         """The model's own forward, recording the taps; on the CPU in float32 with
-        ``cpu_kernels``' RoPE tables, and a ``block`` (a verify) with its attention and SwiGLU."""
+        ``cpu_kernels``' RoPE tables, and a ``block`` (a verify) with its attention and SwiGLU;
+        on CUDA a ``block`` with ``cuda_attention``."""
         if self._block_kernels is None:
             kernels = nullcontext()
         else:  # (steps and prompts: RoPE from shared tables alone, mlx-lm's numbers bit for bit)
