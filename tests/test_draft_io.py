@@ -6,11 +6,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from tiny_models import MASK_ID, load_tiny, make_tiny_target
+from tiny_models import MASK_ID, load_tiny, make_tiny_target, tiny_pair
 
-from mlx_dflash import DFlashError, create_random_draft, generate, load_draft, save_draft
+from mlx_dflash import DFlashError, create_random_draft, generate, load_draft, projections, rollback, save_draft
+from mlx_dflash import draft as draft_module
 from mlx_dflash.draft import default_target_layer_ids
-from mlx_dflash.target import check_compatible
+from mlx_dflash.engine import DFlashProposer
+from mlx_dflash.target import Target, check_compatible
 
 PUBLISHED_LAYER_KEYS = [
     "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -159,12 +161,6 @@ def test_missing_tensor_is_refused(target, tmp_path):
 def test_context_window_bounds_the_draft_cache_and_keeps_output_exact(tiny_dir):
     """A sink + window draft cache stays bounded, keeps absolute positions, round-trips in
     config.json, changes nothing while the context fits, and never changes the output."""
-    from tiny_models import tiny_pair
-
-    from mlx_dflash import draft as draft_module
-    from mlx_dflash.engine import DFlashProposer
-    from mlx_dflash.target import Target
-
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "window-qwen3", "qwen3", "def f(x):", 60)
     config = dict(vars(model.args))
     draft = create_random_draft(config, num_layers=2, block_size=8, mask_token_id=MASK_ID)
@@ -237,11 +233,6 @@ def test_compiled_draft_pass_equals_eager_one(tiny_dir, layout, monkeypatch):
     """What GPUs run: the draft's decode pass under mx.compile (whole context buffers, lengths
     as arrays) gives the eager pass's logits: after a count still on the device, a settle that
     drops the window's middle, and a buffer grown past 256 positions."""
-    from mlx_dflash import draft as draft_module
-    from mlx_dflash import rollback
-    from mlx_dflash.engine import DFlashProposer
-    from mlx_dflash.target import Target
-
     monkeypatch.setattr(rollback, "PAD_READS", True)  # (the GPU's reads)
     model, _ = load_tiny(make_tiny_target(tiny_dir / "compiled-draft-qwen3", "qwen3"))
     config = dict(vars(model.args))
@@ -275,3 +266,32 @@ def test_compiled_draft_pass_equals_eager_one(tiny_dir, layout, monkeypatch):
     draft.update({"layers": [{"mlp": {"down_proj": {"weight": 2 * layer.mlp.down_proj.weight}}} for layer in draft.layers]})
     compiled, eager = passes(True), passes(False)
     assert mx.abs(compiled[0] - eager[0]).max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packed_draft_passes_equal_plain_ones(tiny_dir, monkeypatch, compiled):
+    """Passes with q/k/v and gate/up packed and products row by row (the GPU's) give the plain
+    pass's logits; new weights (training) are packed afresh, not the old ones kept."""
+    monkeypatch.setattr(draft_module, "COMPILE_PASSES", compiled)
+    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "packed-draft-qwen3", "qwen3"))
+    config = dict(vars(model.args))
+    draft = create_random_draft(config, num_layers=2, block_size=16, mask_token_id=MASK_ID)
+    mx.random.seed(4)
+    features = mx.random.normal((1, 40, len(draft.config.target_layer_ids) * config["hidden_size"]))
+    first = mx.array([5], dtype=mx.uint32)
+
+    def logits(packed: bool) -> mx.array:
+        monkeypatch.setattr(draft_module, "PACK_PASSES", packed)
+        proposer = DFlashProposer(draft)
+        proposer.start(Target(model, draft.config.target_layer_ids))
+        proposer.add_context(features)
+        return proposer.draft_logits(first, 15)
+
+    for _ in range(2):
+        packed, plain = logits(True), logits(False)
+        assert draft._pass_projections is not None and len(draft._pass_projections.swaps) == 2 * 7 + 1  # (and fc)
+        assert mx.abs(packed - plain).max().item() <= 1e-4 * mx.abs(plain).max().item()
+        draft.update({"layers": [{"self_attn": {"v_proj": {"weight": 2 * layer.self_attn.v_proj.weight}}}
+                                 for layer in draft.layers]})
+        assert draft._pass_projections is None

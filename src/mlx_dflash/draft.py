@@ -14,6 +14,7 @@ here load in SGLang and vLLM.
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -26,6 +27,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from .cpu_kernels import attention, rope, swiglu
 from .device import on_apple_gpu, on_gpu
 from .errors import DFlashError
+from .projections import BlockProjections, block_projections
 from .rollback import device_count, read_length, reserve
 
 CONFIG_FILE = "config.json"
@@ -270,6 +272,11 @@ COMPACT_SLACK = 64  # a windowed cache drops its middle once it holds this many 
 # pass launched as fast either way; BENCHMARKS.md, sixteenth and seventeenth sessions).
 # None: on GPUs; tests set it on the CPU.
 COMPILE_PASSES: Optional[bool] = False
+# A decode pass on GPUs computes its projections as the target's compiled blocks do
+# (``projections.py``): q/k/v and gate/up packed into one product each, and (small drafts) row by
+# row, MLX's gemv kernel instead of a cuBLAS matmul of a block's rows, the dearest launch on MLX's
+# CUDA backend. Not on the CPU, where packing measured no gain (fifth session). None: on GPUs.
+PACK_PASSES: Optional[bool] = None
 
 
 def context_visible(size: int, length: Union[int, mx.array], sink: int, window: Optional[int]) -> mx.array:
@@ -432,6 +439,7 @@ class DFlashDraft(nn.Module):
         self.layers = [DraftLayer(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self._compiled_pass: Optional[Callable] = None  # (run_block's, traced on first use)
+        self._pass_projections: Optional[BlockProjections] = None  # (run_block's, packed on first use)
 
     @property
     def block_size(self) -> int:
@@ -481,7 +489,19 @@ class DFlashDraft(nn.Module):
 
     def run_block(self, block_embeddings: mx.array, cache: list[DraftContextCache]) -> mx.array:
         """A decode pass over ``cache`` (its new context already stored): ``__call__``, compiled
-        where ``COMPILE_PASSES`` says; traced again only when a block length or buffer size changes."""
+        where ``COMPILE_PASSES`` says; traced again only when a block length or buffer size changes;
+        with packed projections where ``PACK_PASSES`` says."""
+        with self._projections():
+            return self._run_block(block_embeddings, cache)
+
+    def _projections(self) -> AbstractContextManager:
+        if not (on_gpu() if PACK_PASSES is None else PACK_PASSES):
+            return nullcontext()
+        if self._pass_projections is None:
+            self._pass_projections = block_projections(self)
+        return self._pass_projections.installed()
+
+    def _run_block(self, block_embeddings: mx.array, cache: list[DraftContextCache]) -> mx.array:
         wanted = on_gpu() if COMPILE_PASSES is None else COMPILE_PASSES
         if not wanted or any(c.keys is None for c in cache):
             return self(block_embeddings, None, cache)
@@ -496,14 +516,15 @@ class DFlashDraft(nn.Module):
         return self._compiled_pass(block_embeddings, *state)
 
     # The compiled pass holds the weights as constants of its trace (as inputs they cost ~0.4 ms
-    # of host time a pass, here), so new weights drop it: training updates them between its
-    # held-out evaluations; loading and quantizing go through these too.
+    # of host time a pass, here), and the packed projections copies of them, so new weights drop
+    # both: training updates them between its held-out evaluations; loading and quantizing go
+    # through these too.
     def update(self, *args, **kwargs) -> "DFlashDraft":
-        self._compiled_pass = None
+        self._compiled_pass = self._pass_projections = None
         return super().update(*args, **kwargs)
 
     def update_modules(self, *args, **kwargs) -> "DFlashDraft":
-        self._compiled_pass = None
+        self._compiled_pass = self._pass_projections = None
         return super().update_modules(*args, **kwargs)
 
     def forward_blocks(self, block_embeddings: mx.array, context: mx.array, anchors: mx.array,
