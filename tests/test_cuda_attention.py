@@ -22,7 +22,8 @@ def _qkv(heads=9, kv_heads=3, length=16, keys=40, dim=64, dtype=mx.float32):
 
 def test_it_takes_block_attention_on_cuda_only(monkeypatch):
     """Off CUDA never; on CUDA several queries under no mask, "causal" or a boolean [queries,
-    keys] mask, head sizes that are multiples of 32 up to 256, key heads dividing query heads."""
+    keys] mask, head sizes that are multiples of 32 up to 256, key heads dividing query heads,
+    and query heads x keys up to the measured crossover with MLX's call."""
     q, k, v = _qkv()
     visible = visible_keys(40, mx.array(24), 16)
     assert cuda_attention.fits(q, k, v, visible) == on_cuda()
@@ -39,6 +40,8 @@ def test_it_takes_block_attention_on_cuda_only(monkeypatch):
     assert not cuda_attention.fits(q, k, v, mx.where(visible, 0.0, -1e9))  # additive
     assert not cuda_attention.fits(q, k, v, visible[None, None])  # [B, heads, L, S]
     assert not cuda_attention.fits(q, k, v, visible[:1])  # [1, S]: broadcast over the queries
+    assert cuda_attention.fits(*_qkv(keys=1820), None)  # 9 heads x 1,820 keys: at most 16,384
+    assert not cuda_attention.fits(*_qkv(keys=1821), None)  # past it MLX's call is the faster
     monkeypatch.setattr(cuda_attention, "USE_CUDA_ATTENTION", False)
     assert not cuda_attention.fits(q, k, v, visible)
 

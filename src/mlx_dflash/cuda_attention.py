@@ -11,7 +11,8 @@ merged in shared memory at the end (the one-query kernel's scheme, for many quer
 
 It takes what a block's attention passes (``mx.fast.scaled_dot_product_attention``'s
 arguments): no mask, "causal", or a boolean [queries, keys] mask; head sizes a multiple of 32
-up to 256; any strides (no copies of the transposed queries or of a cache's sliced buffer).
+up to 256; any strides (no copies of the transposed queries or of a cache's sliced buffer); up
+to ``MAX_HEADS_TIMES_KEYS`` query heads x keys, where it measured faster than MLX's call.
 Anything else, and any other backend, keeps MLX's own call (``fits``).
 """
 
@@ -28,6 +29,13 @@ from .device import on_cuda
 USE_CUDA_ATTENTION = True  # False: MLX's own call everywhere (to measure the difference)
 WARPS = 16  # warps per (query, head): each walks every WARPS-th key
 MAX_HEAD_DIM = 256
+# The kernel's work grows with query heads x keys (each (query, head) walks every key, one warp
+# reduction a key), while MLX's fallback, launch-bound, barely grows. Measured against it (H200, a
+# 16-query block, compiled, all layers of a model; scripts/attention_kernel_costs.py, BENCHMARKS.md
+# twenty-second session): SmolLM2-135M's 9 heads 3.10x faster at 256 keys, 1.89x at 1,024, 0.50x
+# at 4,096; Qwen3-8B's 32 heads 2.12x at 256, 0.71x at 1,024; Qwen3.5-9B's 16 heads 2.11x at 256,
+# 0.91x at 1,024: even near 16-19k. Past this many, MLX's own call.
+MAX_HEADS_TIMES_KEYS = 16384
 
 _SOURCE = """
     constexpr int per_lane = D / 32;
@@ -87,7 +95,8 @@ def _placeholder_mask() -> mx.array:
 
 def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, str, mx.array]) -> bool:
     """Whether ``block_attention`` takes this call: on CUDA, several queries, one head size for
-    queries, keys and values that it handles, key heads dividing query heads, and a mask it reads."""
+    queries, keys and values that it handles, key heads dividing query heads, a mask it reads,
+    and few enough keys to be faster than MLX's call (``MAX_HEADS_TIMES_KEYS``)."""
     D = queries.shape[-1]
     if isinstance(mask, mx.array):
         mask_ok = mask.dtype == mx.bool_ and mask.shape == (queries.shape[2], keys.shape[2])
@@ -95,7 +104,7 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, 
         mask_ok = mask is None or mask == "causal"
     return (USE_CUDA_ATTENTION and on_cuda() and queries.ndim == 4 and queries.shape[2] > 1 and mask_ok
             and D % 32 == 0 and D <= MAX_HEAD_DIM and keys.shape[-1] == D and values.shape[-1] == D
-            and queries.shape[1] % keys.shape[1] == 0)
+            and queries.shape[1] % keys.shape[1] == 0 and queries.shape[1] * keys.shape[2] <= MAX_HEADS_TIMES_KEYS)
 
 
 def block_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
