@@ -240,9 +240,10 @@ def _block_call(module: nn.Module, names: tuple[str, ...]) -> Optional[Callable]
 
 class BlockKernels:
     """The attention and MLP modules of one model instance that call mlx-lm's
-    ``scaled_dot_product_attention`` or ``swiglu``, and its ``nn.RoPE`` modules; ``installed()``
-    puts rebound copies (and ``rope``) in their places for the duration of a block's forward;
-    ``exact()`` only ``rope``, whose numbers are the module's own, for any other forward."""
+    ``scaled_dot_product_attention`` or ``swiglu``, and its ``nn.RoPE`` modules (those of
+    ``names``); ``installed()`` puts rebound copies (and ``rope``) in their places for the
+    duration of a block's forward; ``exact()`` only ``rope``, whose numbers are the module's own,
+    for any other forward."""
 
     def __init__(self, model: nn.Module, names: tuple[str, ...] = (*REBOUND, "rope")):
         self.swaps: list[Swap] = []

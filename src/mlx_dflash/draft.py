@@ -275,7 +275,8 @@ COMPILE_PASSES: Optional[bool] = False
 # A decode pass on GPUs computes its projections as the target's compiled blocks do
 # (``projections.py``): q/k/v and gate/up packed into one product each, and (small drafts) row by
 # row, MLX's gemv kernel instead of a cuBLAS matmul of a block's rows, the dearest launch on MLX's
-# CUDA backend. Not on the CPU, where packing measured no gain (fifth session). None: on GPUs.
+# CUDA backend (H200 A/B: 2.80x / 2.81x against 2.70x / 2.65x unpacked; BENCHMARKS.md, twenty-second
+# session). Not on the CPU, where packing measured no gain (fourth session). None: on GPUs.
 PACK_PASSES: Optional[bool] = None
 
 
