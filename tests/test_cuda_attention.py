@@ -37,6 +37,7 @@ def test_it_takes_block_attention_on_cuda_only(monkeypatch):
     assert not cuda_attention.fits(*_qkv(dim=512), None)
     assert not cuda_attention.fits(*_qkv(heads=8), None)  # 8 query heads over 3 key heads
     assert not cuda_attention.fits(q, k, v[..., :32], None)  # values of another size
+    assert not cuda_attention.fits(q, k.astype(mx.bfloat16), v.astype(mx.bfloat16), None)  # (it reads one dtype)
     assert not cuda_attention.fits(q, k, v, mx.where(visible, 0.0, -1e9))  # additive
     assert not cuda_attention.fits(q, k, v, visible[None, None])  # [B, heads, L, S]
     assert not cuda_attention.fits(q, k, v, visible[:1])  # [1, S]: broadcast over the queries

@@ -94,8 +94,8 @@ def _placeholder_mask() -> mx.array:
 
 
 def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, str, mx.array]) -> bool:
-    """Whether ``block_attention`` takes this call: on CUDA, several queries, one head size for
-    queries, keys and values that it handles, key heads dividing query heads, a mask it reads,
+    """Whether ``block_attention`` takes this call: on CUDA, several queries, one dtype and one
+    head size for queries, keys and values that it handles, key heads dividing query heads, a mask it reads,
     and few enough keys to be faster than MLX's call (``MAX_HEADS_TIMES_KEYS``)."""
     D = queries.shape[-1]
     if isinstance(mask, mx.array):
@@ -103,7 +103,7 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, 
     else:
         mask_ok = mask is None or mask == "causal"
     return (USE_CUDA_ATTENTION and on_cuda() and queries.ndim == 4 and queries.shape[2] > 1 and mask_ok
-            and D % 32 == 0 and D <= MAX_HEAD_DIM and keys.shape[-1] == D and values.shape[-1] == D
+            and queries.dtype == keys.dtype == values.dtype and D % 32 == 0 and D <= MAX_HEAD_DIM and keys.shape[-1] == D and values.shape[-1] == D
             and queries.shape[1] % keys.shape[1] == 0 and queries.shape[1] * keys.shape[2] <= MAX_HEADS_TIMES_KEYS)
 
 
