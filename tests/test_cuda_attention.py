@@ -41,8 +41,8 @@ def test_it_takes_block_attention_on_cuda_only(monkeypatch):
     assert not cuda_attention.fits(q, k, v, mx.where(visible, 0.0, -1e9))  # additive
     assert not cuda_attention.fits(q, k, v, visible[None, None])  # [B, heads, L, S]
     assert not cuda_attention.fits(q, k, v, visible[:1])  # [1, S]: broadcast over the queries
-    assert cuda_attention.fits(*_qkv(keys=1820), None)  # 9 heads x 1,820 keys: at most 16,384
-    assert not cuda_attention.fits(*_qkv(keys=1821), None)  # past it MLX's call is the faster
+    assert cuda_attention.fits(*_qkv(keys=1592), None)  # 9 heads x 1,592 keys: at most 14,336
+    assert not cuda_attention.fits(*_qkv(keys=1593), None)  # past it MLX's call may be the faster
     monkeypatch.setattr(cuda_attention, "USE_CUDA_ATTENTION", False)
     assert not cuda_attention.fits(q, k, v, visible)
 

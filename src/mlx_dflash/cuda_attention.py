@@ -34,8 +34,9 @@ MAX_HEAD_DIM = 256
 # 16-query block, compiled, all layers of a model; scripts/attention_kernel_costs.py, BENCHMARKS.md
 # twenty-second session): SmolLM2-135M's 9 heads 3.10x faster at 256 keys, 1.89x at 1,024, 0.50x
 # at 4,096; Qwen3-8B's 32 heads 2.12x at 256, 0.71x at 1,024; Qwen3.5-9B's 16 heads 2.11x at 256,
-# 0.91x at 1,024: even near 16-19k. Past this many, MLX's own call.
-MAX_HEADS_TIMES_KEYS = 16384
+# 0.91x at 1,024. Even (log-interpolated) near 18k, 21k and 14k query heads x keys; past the lowest
+# of them, MLX's own call.
+MAX_HEADS_TIMES_KEYS = 14 * 1024
 
 _SOURCE = """
     constexpr int per_lane = D / 32;
