@@ -1,6 +1,6 @@
-"""cuda_attention: which calls the CUDA block-attention kernel takes (checked anywhere), and its
-outputs against MLX's own attention (on MLX's CUDA backend only; tests/test_families.py checks
-DFlash's tokens against mlx-lm greedy on whatever backend runs it)."""
+"""cuda_attention: which calls the CUDA block-attention kernel takes and how a target binds it
+(checked anywhere); its outputs against MLX's own attention, and DFlash through it against
+mlx-lm greedy (on MLX's CUDA backend only)."""
 
 import mlx.core as mx
 import pytest
