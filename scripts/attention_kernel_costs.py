@@ -1,6 +1,6 @@
 """A block's attention through ``cuda_attention`` against MLX's own call, by key length (MLX CUDA).
 
-    python scripts/attention_kernel_costs.py [--keys 256 1024 4096 16384] [--block 16] [--iters 20]
+    python scripts/attention_kernel_costs.py [--keys 256 1024 4096 16384] [--block 16] [--iters 20] [--warps 16]
 
 For each head layout (SmolLM2-135M float32, Qwen3-8B and Qwen3.5-9B's attention layers in bf16),
 ``--layers`` calls with their own queries, keys and values, compiled as a verify runs them: the
@@ -28,10 +28,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--keys", type=int, nargs="+", default=[256, 1024, 4096, 16384])
 parser.add_argument("--block", type=int, default=16)
 parser.add_argument("--iters", type=int, default=20)
+parser.add_argument("--warps", type=int, default=cuda_attention.WARPS, help="the kernel's warps per (query, head)")
 args = parser.parse_args()
+cuda_attention.WARPS = args.warps
 if not on_cuda():
     raise SystemExit("the kernel runs on MLX's CUDA backend only")
-print(f"{mx.default_device()}, MLX {mx.__version__}, block of {args.block} queries", flush=True)
+print(f"{mx.default_device()}, MLX {mx.__version__}, block of {args.block} queries, {args.warps} warps", flush=True)
 
 
 def per_layer(fn):
