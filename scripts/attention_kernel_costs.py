@@ -3,7 +3,7 @@
     python scripts/attention_kernel_costs.py [--keys 256 1024 4096 16384] [--block 16] [--iters 20] [--warps 16]
 
 For each head layout (SmolLM2-135M float32, Qwen3-8B and Qwen3.5-9B's attention layers in bf16),
-``--layers`` calls with their own queries, keys and values, compiled as a verify runs them: the
+one call per layer of that model, each with its own queries, keys and values, compiled as a verify runs them: the
 whole key buffer under a verify's mask (stale keys past each query). Milliseconds per pass of all
 layers (evaluated each time: the device's time and the host's launches), and the largest
 difference between the two outputs. The kernel walks every key once per (query, head) with one
@@ -40,6 +40,10 @@ def per_layer(fn):
     return mx.compile(lambda qs, ks, vs, mask: [fn(q, k, v, q.shape[-1] ** -0.5, mask) for q, k, v in zip(qs, ks, vs)])
 
 
+def random_layers(layers: int, shape: tuple, dtype: mx.Dtype) -> list[mx.array]:
+    return [mx.random.normal(shape).astype(dtype) for _ in range(layers)]
+
+
 def mlx_own(q, k, v, scale, mask):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
@@ -47,8 +51,8 @@ def mlx_own(q, k, v, scale, mask):
 kernel, fallback = per_layer(cuda_attention.block_attention), per_layer(mlx_own)
 for name, (heads, kv_heads, dim, layers, dtype) in LAYOUTS.items():
     for keys in args.keys:
-        shape = lambda n, length: [mx.random.normal((1, n, length, dim)).astype(dtype) for _ in range(layers)]  # noqa: E731
-        qs, ks, vs = shape(heads, args.block), shape(kv_heads, keys), shape(kv_heads, keys)
+        qs, ks, vs = (random_layers(layers, (1, n, length, dim), dtype)
+                      for n, length in ((heads, args.block), (kv_heads, keys), (kv_heads, keys)))
         mask = visible_keys(keys, mx.array(keys - args.block - 40), args.block)  # (40 stale positions)
         mx.eval(qs, ks, vs, mask)
         ours, theirs = kernel(qs, ks, vs, mask), fallback(qs, ks, vs, mask)

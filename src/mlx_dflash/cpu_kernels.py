@@ -216,18 +216,18 @@ class ReboundModule(nn.Module):
             return getattr(self.call.args[0], name)
 
 
-def _block_call(module: nn.Module, names: tuple[str, ...]) -> Optional[Callable]:
-    """What a block calls in the module's place, given the module and what to replace
-    (``REBOUND`` names, and "rope"): ``rope`` for an ``nn.RoPE``; else the module's ``__call__``
-    with our functions for those of the names it reads as globals where they are mlx-lm's
-    functions (its model files import them by name); None for a module with neither."""
+def _block_call(module: nn.Module, functions: tuple[str, ...], tables: bool) -> Optional[Callable]:
+    """What a block calls in the module's place: for an ``nn.RoPE``, ``rope`` (with ``tables``);
+    else the module's ``__call__`` with our functions for those of ``functions`` (``REBOUND``
+    names) it reads as globals where they are mlx-lm's (its model files import them by name);
+    None for a module with neither."""
     if type(module) is nn.RoPE:
-        return rope if "rope" in names else None
+        return rope if tables else None
     call = type(module).__call__
     code = getattr(call, "__code__", None)
     if code is None:
         return None
-    ours = [name for name in names if name in REBOUND and name in code.co_names
+    ours = [name for name in functions if name in code.co_names
             and call.__globals__.get(name) is MLX_LM_FUNCTIONS[name] and _same_parameters(name)]
     if not ours:
         return None
@@ -240,16 +240,16 @@ def _block_call(module: nn.Module, names: tuple[str, ...]) -> Optional[Callable]
 
 class BlockKernels:
     """The attention and MLP modules of one model instance that call mlx-lm's
-    ``scaled_dot_product_attention`` or ``swiglu``, and its ``nn.RoPE`` modules (those of
-    ``names``); ``installed()`` puts rebound copies (and ``rope``) in their places for the
-    duration of a block's forward; ``exact()`` only ``rope``, whose numbers are the module's own,
-    for any other forward."""
+    ``scaled_dot_product_attention`` or ``swiglu`` (those of ``functions``), and with ``tables``
+    its ``nn.RoPE`` modules; ``installed()`` puts rebound copies (and ``rope``) in their places
+    for the duration of a block's forward; ``exact()`` only ``rope``, whose numbers are the
+    module's own, for any other forward."""
 
-    def __init__(self, model: nn.Module, names: tuple[str, ...] = (*REBOUND, "rope")):
+    def __init__(self, model: nn.Module, functions: tuple[str, ...] = tuple(REBOUND), tables: bool = True):
         self.swaps: list[Swap] = []
         for parent in model.modules():
             for name, child in parent.children().items():
-                call = _block_call(child, names) if isinstance(child, nn.Module) else None
+                call = _block_call(child, functions, tables) if isinstance(child, nn.Module) else None
                 if call is not None:
                     self.swaps.append((parent, name, child, ReboundModule(child, call)))
         self.rope_swaps = [swap for swap in self.swaps if type(swap[2]) is nn.RoPE]
@@ -267,5 +267,5 @@ def block_kernels(model: nn.Module, dtype: mx.Dtype) -> Optional[BlockKernels]:
     if _cpu_float32(dtype):
         return BlockKernels(model)
     if on_cuda() and cuda_attention.USE_CUDA_ATTENTION:
-        return BlockKernels(model, names=("scaled_dot_product_attention",))
+        return BlockKernels(model, functions=("scaled_dot_product_attention",), tables=False)
     return None
