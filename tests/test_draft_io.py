@@ -268,6 +268,22 @@ def test_compiled_draft_pass_equals_eager_one(tiny_dir, layout, monkeypatch):
     assert mx.abs(compiled[0] - eager[0]).max().item() <= 1e-4
 
 
+def test_a_device_count_gives_all_draft_layers_one_length(target):
+    """Context stored with a count on the device: every layer's length (and position) is one
+    array, not an op a layer (each a kernel launch on a GPU)."""
+    _, model, _, config = target
+    draft = create_random_draft(config, num_layers=3, mask_token_id=MASK_ID)
+    proposer = DFlashProposer(draft)
+    proposer.start(Target(model, draft.config.target_layer_ids))
+    features = mx.random.normal((1, 30, len(draft.config.target_layer_ids) * config["hidden_size"]))
+    proposer.add_context(features[:, :20])
+    for _ in range(2):  # from an int length, then from the device length the first left
+        proposer.add_context(features[:, 20:25], mx.array(3))
+        lengths = [c.length for c in proposer.cache]
+        assert all(x is lengths[0] for x in lengths) and all(c.position is lengths[0] for c in proposer.cache)
+    assert lengths[0].item() == 26
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_packed_draft_passes_equal_plain_ones(tiny_dir, monkeypatch, compiled):
     """Passes with q/k/v and gate/up packed and products row by row (the GPU's) give the plain

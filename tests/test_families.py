@@ -216,6 +216,28 @@ def test_rollback_parity(tiny_dir, kind, count_on_device, keep):
     assert gap <= {"QuantizedKVCache": 2e-2, "ArraysCache": 1e-3}.get(kind, 1e-4), gap
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_device_count_cuts_all_layers_offsets_once(tiny_dir, compiled, monkeypatch):
+    """Layers move in step: a rollback by a count on the device gives every layer one offset
+    array, not an op a layer (each a kernel launch on a GPU), and the caches stay right."""
+    monkeypatch.setattr(target_module, "COMPILE_BLOCKS", compiled)
+    model, _ = load_tiny(make_tiny_target(tiny_dir / "shared-cut-qwen3", "qwen3"))
+    target = Target(model, [1])
+    prompt = mx.array([[(7 * i) % 250 for i in range(21)]])
+    block = mx.array([[(11 * i + 3) % 250 for i in range(16)]])
+    rolled, direct = target.make_cache(), target.make_cache()
+    target(prompt, rolled), target(prompt, direct)
+    for keep in (7, 3):  # the second cut from device offsets: a compiled block leaves one for all
+        target(block, rolled)  # layers (what GPUs run); an eager one, one a layer (no count shared)
+        target.rollback(rolled, mx.array(16 - keep))
+        shared = all(c.offset is rolled[0].offset for c in rolled)
+        assert len(rolled) > 1 and shared == (compiled or keep == 7)
+        target(block[:, :keep], direct)
+    assert rolled[0].offset.item() == direct[0].offset == 21 + 7 + 3
+    nxt = mx.array([[42, 43, 44]])
+    assert mx.abs(target(nxt, rolled)[0] - target(nxt, direct)[0]).max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_compiled_blocks_equal_eager_ones(tiny_dir, family, monkeypatch):
     """A block through the compiled forward (whole buffers in and out) gives the eager

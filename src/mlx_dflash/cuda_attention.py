@@ -83,7 +83,7 @@ _SOURCE = """
         sum += totals[w] * factor;
         value += accs[w][c] * factor;
       }
-      out[((size_t)(b * gridDim.y + h) * L + i) * D + c] = static_cast<T>(sum > 0.0f ? value / sum : 0.0f);
+      out[((size_t)(b * L + i) * gridDim.y + h) * D + c] = static_cast<T>(sum > 0.0f ? value / sum : 0.0f);
     }
 """
 _kernel = None  # built at first use (needs MLX's CUDA backend)
@@ -111,7 +111,10 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, 
 def block_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                     mask: Union[None, str, mx.array]) -> mx.array:
     """``mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)``
-    for a call ``fits`` takes: [B, heads, L, D] queries, [B, key heads, S, D] keys and values."""
+    for a call ``fits`` takes: [B, heads, L, D] queries, [B, key heads, S, D] keys and values.
+    Written as [B, L, heads, D] and returned as its transposed view: callers transpose it back
+    and flatten the heads, which is then free (MLX's [B, heads, L, D] needs a copy kernel there,
+    one a layer)."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -127,5 +130,5 @@ def block_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
         inputs=[queries, keys, values, mask_input],
         template=[("T", queries.dtype), ("D", D), ("Warps", WARPS), ("MaskKind", kind), ("ScaleBits", scale_bits)],
         grid=(L * 32, n_heads * WARPS, B), threadgroup=(32, WARPS, 1),
-        output_shapes=[(B, n_heads, L, D)], output_dtypes=[queries.dtype])
-    return out
+        output_shapes=[(B, L, n_heads, D)], output_dtypes=[queries.dtype])
+    return out.transpose(0, 2, 1, 3)

@@ -14,6 +14,7 @@ here load in SGLang and vLLM.
 from __future__ import annotations
 
 import json
+import operator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from .cpu_kernels import attention, rope, swiglu
 from .device import on_apple_gpu, on_gpu
 from .errors import DFlashError
 from .projections import BlockProjections, block_projections
-from .rollback import device_count, read_length, reserve
+from .rollback import Count, device_count, read_length, reserve, shared_count
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -309,17 +310,14 @@ class DraftContextCache:
         self.sink, self.window = sink, window
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
-        self.length: Union[int, mx.array] = 0
+        self.length: Count = 0
         self.bound = 0
         self.dropped = 0
+        self.position: Count = 0  # the position of the next context token: length + dropped
 
-    @property
-    def position(self) -> Union[int, mx.array]:
-        """The position of the next context token."""
-        return self.length + self.dropped
-
-    def add(self, keys: mx.array, values: mx.array, count: Union[None, int, mx.array] = None) -> None:
-        """Store the first ``count`` (default: all) of these positions."""
+    def add(self, keys: mx.array, values: mx.array, count: Optional[Count] = None, memo: Optional[dict] = None) -> None:
+        """Store the first ``count`` (default: all) of these positions; ``memo``: one for all the
+        layers' caches, so that they share their device counts (``rollback.shared_count``)."""
         n = keys.shape[2]
         self.keys, self.values = reserve(self.keys, self.values, self.bound, keys, values)
         if isinstance(self.length, int) and not isinstance(count, mx.array):
@@ -328,16 +326,18 @@ class DraftContextCache:
             self.values[..., self.length : self.length + count, :] = values[..., :count, :]
             self.settle(self.position + count)
         else:
-            at = mx.array(self.length).reshape(1)
+            at = device_count(self.length).reshape(1)
             self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
             self.values = mx.slice_update(self.values, values, at, axes=(2,))
-            self.length = self.length + (n if count is None else count)
+            self.length = shared_count(memo, operator.add, self.length, n if count is None else count)
+            self.position = shared_count(memo, operator.add, self.length, self.dropped)
             self.bound += n
 
     def settle(self, positions: int) -> None:
         """The host knows the context now holds ``positions`` positions; drop the middle
         beyond the window from storage when it has grown ``COMPACT_SLACK`` past it."""
         self.length = self.bound = positions - self.dropped
+        self.position = positions
         if self.window is None or self.length <= self.sink + self.window + COMPACT_SLACK:
             return
         cut = self.length - self.sink - self.window
@@ -466,8 +466,9 @@ class DFlashDraft(nn.Module):
                       count: Union[None, int, mx.array] = None) -> None:
         """Append projected context features (the first ``count`` of them: committed tokens
         only) to every layer's cache, through that layer's own k/v projections."""
+        memo: dict = {}
         for layer, layer_cache in zip(self.layers, cache):
-            layer_cache.add(*layer.self_attn.context_kv(context, layer_cache.position), count)
+            layer_cache.add(*layer.self_attn.context_kv(context, layer_cache.position), count, memo)
 
     def __call__(
         self,

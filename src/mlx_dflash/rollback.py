@@ -26,7 +26,8 @@ and ``BlockDeltaMixer.rewind`` take such a count; the others need it on the host
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import operator
+from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, create_attention_mask
@@ -62,6 +63,24 @@ def visible_keys(n_keys: int, offset: mx.array, n_queries: int) -> mx.array:
 def device_count(n: Union[int, mx.array]) -> mx.array:
     """A count as a compiled forward takes it: an array (a host int becomes one)."""
     return n if isinstance(n, mx.array) else mx.array(n)
+
+
+Count = Union[int, mx.array]  # a number of positions: known to the host, or still on the device
+
+
+def shared_count(memo: Optional[dict], op: Callable[[Count, Count], Count], a: Count, b: Count) -> Count:
+    """``op(a, b)`` (add or subtract) on counts. Layers move in step, so with a ``memo`` (one per
+    update of all the layers) the same device operands give one result for all of them: on a
+    GPU each op on a device count is a kernel launch (a rollback cut SmolLM2's 30 offsets, one
+    value, with 30 launches). Ints stay ints; adding or subtracting an int 0 makes no op."""
+    if isinstance(b, int) and b == 0:
+        return a
+    if memo is None or (isinstance(a, int) and isinstance(b, int)):
+        return op(a, b)
+    key = (op, *((x,) if isinstance(x, int) else id(x) for x in (a, b)))
+    if key not in memo:
+        memo[key] = (a, b, op(a, b))  # (the operands stay alive with it: their ids stay theirs)
+    return memo[key][2]
 
 
 def write_at(buffer: mx.array, new: mx.array, offset: mx.array) -> mx.array:
@@ -148,9 +167,10 @@ class DeviceKVCache(KVCache):
         self.keys, self.values, self.offset = keys, values, offset
         self.bound += n
 
-    def drop(self, num_tokens: Union[int, mx.array]) -> None:
-        """Forget the last ``num_tokens`` positions (an int, or a count still on the device)."""
-        self.offset = self.offset - num_tokens
+    def drop(self, num_tokens: Count, memo: Optional[dict] = None) -> None:
+        """Forget the last ``num_tokens`` positions (an int, or a count still on the device);
+        ``memo``: see ``shared_count``."""
+        self.offset = shared_count(memo, operator.sub, self.offset, num_tokens)
         if isinstance(self.offset, int):
             self.bound = self.offset
 
@@ -192,11 +212,11 @@ class BufferView:
         return visible_keys(self.keys.shape[2], self.offset, N)
 
 
-def trim_attention_cache(cache: Any, num_tokens: Union[int, mx.array]) -> None:
+def trim_attention_cache(cache: Any, num_tokens: Count, memo: Optional[dict] = None) -> None:
     """Drop the last ``num_tokens`` positions of a key/value cache (of a ``DeviceKVCache``
-    also by a count still on the device)."""
+    also by a count still on the device; ``memo``: see ``shared_count``)."""
     if isinstance(cache, DeviceKVCache):
-        cache.drop(num_tokens)
+        cache.drop(num_tokens, memo)
         return
     if isinstance(cache, RotatingKVCache):
         keys, values, offset, keep, max_size, idx = cache.state

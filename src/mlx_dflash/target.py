@@ -281,11 +281,13 @@ class Target:
         with ``rolls_back_on_device``, ``num_tokens`` may be a count the host has not read."""
         if isinstance(num_tokens, int) and num_tokens == 0:
             return
+        memo: dict = {}  # (layers at one offset get one cut offset: ``rollback.shared_count``)
+        keep = self._latest_length - num_tokens  # (one count for all the recurrent layers)
         for i, layer_cache in enumerate(cache):
             if i in self._block_mixers:
-                self._block_mixers[i].rewind(layer_cache, keep=self._latest_length - num_tokens)
+                self._block_mixers[i].rewind(layer_cache, keep)
             else:
-                trim_attention_cache(layer_cache, num_tokens)
+                trim_attention_cache(layer_cache, num_tokens, memo)
 
     def settle(self, cache: list[Any], in_use: int, exact: bool = False) -> None:
         """The host has read the counts: at most ``in_use`` positions are in use (the
