@@ -40,10 +40,13 @@ ROWWISE_PRODUCTS: Optional[bool] = None  # plain (unquantized) projections row b
 # Row by row, a block reads each weight once per row where it does not stay in the GPU's cache
 # (H200, a 248,320 x 4,096 bf16 head, 16 rows: 7.4 ms, against 0.75 ms as one matmul;
 # scripts/head_costs.py). For a model of at most this many bytes of plain weights that is device
-# time hidden under the host's launches (SmolLM2-135M bf16, ~270 MB: 16 reads ~1.4 ms of an H200's
-# bandwidth, a verify's launch ~8 ms); a larger model would turn its verify bandwidth-bound, so
-# by default (None) only GPUs and models up to this size run row by row.
-ROWWISE_MAX_BYTES = 512 * 2**20
+# time hidden under the host's launches (at most 16 reads of 768 MiB, ~3 ms of an H200's bandwidth,
+# against a verify's ~5 ms of launches); a larger model would turn its verify bandwidth-bound, so
+# by default (None) only GPUs and models up to this size run row by row. SmolLM2-135M in float32
+# (513 MiB) was just past the former 512 MiB, so the default pair's float32 runs verified with
+# cuBLAS: row by row, 509 / 562 tok/s against 353 / 346 (3.73x / 3.40x of mlx-lm against 2.81x /
+# 2.77x; H200, x16 HumanEval, 1,024 tokens, two rounds; BENCHMARKS.md, twenty-third session).
+ROWWISE_MAX_BYTES = 768 * 2**20
 
 
 def rowwise_product(x: mx.array, weight: mx.array) -> mx.array:
