@@ -463,7 +463,7 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(tapped))
 
     def store_context(self, context: mx.array, cache: list[DraftContextCache],
-                      count: Union[None, int, mx.array] = None) -> None:
+                      count: Optional[Count] = None) -> None:
         """Append projected context features (the first ``count`` of them: committed tokens
         only) to every layer's cache, through that layer's own k/v projections."""
         memo: dict = {}

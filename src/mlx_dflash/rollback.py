@@ -60,12 +60,12 @@ def visible_keys(n_keys: int, offset: mx.array, n_queries: int) -> mx.array:
     return mx.arange(n_keys)[None] <= (offset + mx.arange(n_queries))[:, None]
 
 
-def device_count(n: Union[int, mx.array]) -> mx.array:
+Count = Union[int, mx.array]  # a number of positions: known to the host, or still on the device
+
+
+def device_count(n: Count) -> mx.array:
     """A count as a compiled forward takes it: an array (a host int becomes one)."""
     return n if isinstance(n, mx.array) else mx.array(n)
-
-
-Count = Union[int, mx.array]  # a number of positions: known to the host, or still on the device
 
 
 def shared_count(memo: Optional[dict], op: Callable[[Count, Count], Count], a: Count, b: Count) -> Count:
