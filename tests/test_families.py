@@ -346,6 +346,25 @@ def test_row_by_row_by_default_only_on_gpus_and_for_small_models(tiny_dir, monke
     assert runs_row_by_row()
 
 
+def test_the_default_pairs_float32_target_runs_row_by_row_on_gpus(monkeypatch):
+    """SmolLM2-135M in float32 (513 MiB of plain weights) was just past a 512 MiB limit and
+    verified with cuBLAS on GPUs, 2.8x of mlx-lm against 3.4-3.7x row by row (H200, twenty-third
+    session). Built lazily from its config: nothing is evaluated, only sizes are read."""
+    from mlx_lm.models import llama
+
+    from mlx_dflash import projections
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+                           num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5, vocab_size=49152,
+                           tie_word_embeddings=True)  # SmolLM2-135M-Instruct's config
+    model = llama.Model(args)
+    model.set_dtype(mx.float32)
+    assert projections.plain_weight_bytes(model) == 537_919_488
+    monkeypatch.setattr(projections, "on_gpu", lambda: True)
+    monkeypatch.setattr(projections, "PACK_PROJECTIONS", False)  # (packing would evaluate the weights)
+    assert projections.block_projections(model).embeddings  # (the tied head: row by row)
+
+
 def test_rowwise_product_is_each_rows_own_product():
     """``W @ x[..., None]`` asks for the products ``x @ W.T`` does, one row at a time."""
     from mlx_dflash.projections import rowwise_product
