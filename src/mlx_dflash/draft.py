@@ -313,7 +313,9 @@ class DraftContextCache:
         self.length: Count = 0
         self.bound = 0
         self.dropped = 0
-        self.position: Count = 0  # the position of the next context token: length + dropped
+        # The position of the next context token, length + dropped, kept beside them (``add`` and
+        # ``settle`` set all three): with a device length it is an op, made once for all layers.
+        self.position: Count = 0
 
     def add(self, keys: mx.array, values: mx.array, count: Optional[Count] = None, memo: Optional[dict] = None) -> None:
         """Store the first ``count`` (default: all) of these positions; ``memo``: one for all the

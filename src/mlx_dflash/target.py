@@ -282,7 +282,7 @@ class Target:
         if isinstance(num_tokens, int) and num_tokens == 0:
             return
         memo: dict = {}  # (layers at one offset get one cut offset: ``rollback.shared_count``)
-        keep = self._latest_length - num_tokens  # (one count for all the recurrent layers)
+        keep = self._latest_length - num_tokens if self._block_mixers else None  # (one count for all of them)
         for i, layer_cache in enumerate(cache):
             if i in self._block_mixers:
                 self._block_mixers[i].rewind(layer_cache, keep)
