@@ -1,6 +1,7 @@
 """Host and device time of each piece of a cycle, one piece at a time, with the kernels it launches.
 
     python scripts/launch_costs.py [--model M] [--draft D] [--context 300] [--iters 30] [--pack off]
+    python scripts/launch_costs.py --shape qwen3.5-9b   # scale mode's random target and 5-layer draft
 
 For each piece (mlx-lm's plain step; the tapped target's plain step and 16-token verify with the
 engine's cache, its count on the device as in queued cycles, the verify eager and compiled
@@ -31,6 +32,7 @@ from mlx_dflash.draft import load_draft
 from mlx_dflash.engine import DFlashProposer
 from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
 from mlx_dflash.sampling import matching_prefix
+from mlx_dflash.scale import random_draft, random_target
 from mlx_dflash.target import Target, float_dtype, load_target
 
 VIEWS = {"Broadcast", "Transpose", "ExpandDims", "Squeeze", "Slice", "Flatten", "Unflatten", "AsStrided"}
@@ -38,6 +40,7 @@ VIEWS = {"Broadcast", "Transpose", "ExpandDims", "Squeeze", "Slice", "Flatten", 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=DEFAULT_MODEL)
 parser.add_argument("--draft", default=None)
+parser.add_argument("--shape", default=None, help="a random target of this shape (scale.py) and a random draft")
 parser.add_argument("--context", type=int, default=300)
 parser.add_argument("--iters", type=int, default=30)
 parser.add_argument("--pack", choices=["on", "off"], default="on",
@@ -51,8 +54,12 @@ projections.ROWWISE_PRODUCTS = args.rowwise == "on"
 rollback.PAD_READS = True  # the GPU's reads, also when run on the CPU
 target_module.COMPILE_BLOCKS = False  # eager blocks, except in "verify compiled"
 draft_module.COMPILE_PASSES = False  # eager draft passes, except in "draft compiled"
-model, tokenizer = load_target(args.model)
-draft = load_draft(args.draft or shipped_draft(args.model), dtype=float_dtype(model))
+if args.shape:
+    model, config = random_target(args.shape)
+    draft = random_draft(config)
+else:
+    model, tokenizer = load_target(args.model)
+    draft = load_draft(args.draft or shipped_draft(args.model), dtype=float_dtype(model))
 vocab = draft.config.vocab_size
 prompt = mx.random.randint(0, vocab, (args.context,)).astype(mx.uint32)
 block = mx.random.randint(0, vocab, (16,)).astype(mx.uint32)
@@ -65,7 +72,9 @@ _, features = target(prompt[None], cache)
 proposer.add_context(features)
 mx.eval(proposer.propose(block[:1], 15), [c.state for c in cache])
 # as in queued cycles: the counts on the device
-target.rollback(cache, mx.array(0))
+for layer_cache in cache:
+    if isinstance(layer_cache, rollback.DeviceKVCache):
+        layer_cache.drop(mx.array(0))
 mx.eval([c.offset for c in cache if hasattr(c, "offset")])
 plain_cache = make_prompt_cache(model)
 mx.eval(model(prompt[None], cache=plain_cache), [c.state for c in plain_cache])
@@ -76,13 +85,15 @@ mx.eval(features16)
 def mlx_lm_step():
     out = model(block[None, :1], cache=plain_cache)
     for c in plain_cache:
-        c.trim(1)
+        if c.is_trimmable():  # (a recurrent layer's state just moves on: the cost is the same)
+            c.trim(1)
     return [mx.argmax(out[0, -1])]
 
 
 def target_step():
     logits, feats = target(block[None, :1], cache)
-    target.rollback(cache, mx.array(1))
+    if not target.recurrent_ids:  # (one token: a recurrent layer has nothing to roll back but all)
+        target.rollback(cache, mx.array(1))
     target.settle(cache, args.context)
     return [mx.argmax(logits[0, -1]), feats]
 
@@ -91,7 +102,8 @@ def target_verify():
     logits, feats = target(block[None], cache)
     tokens = mx.argmax(logits[0], axis=-1)
     accepted = matching_prefix(block[1:], tokens)
-    target.rollback(cache, 16 - accepted[0] + accepted[0])  # a device count (all 16)
+    # a device count: all 16 (a recurrent layer keeps at least one: 15, the context grows a token a call)
+    target.rollback(cache, (15 if target.recurrent_ids else 16) - accepted[0] + accepted[0])
     target.settle(cache, args.context)
     return [tokens, accepted, feats]
 

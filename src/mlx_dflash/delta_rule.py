@@ -166,13 +166,16 @@ def chunk_delta_rule(q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, bet
     return y, (state, k, d, log_G)
 
 
-def state_after(chunk: tuple, n: Union[int, mx.array]) -> mx.array:
+def state_after(chunk: tuple, n: Union[int, mx.array], last_index: Union[None, int, mx.array] = None) -> mx.array:
     """The recurrent state after the first ``n`` tokens of a ``chunk_delta_rule`` call
-    (``n`` may be a count on the device, at least 1: the tokens past it get weight 0)."""
+    (``n`` may be a count on the device, at least 1: the tokens past it get weight 0;
+    ``last_index``: ``n - 1``, where the caller has it)."""
     state, k, d, log_G = chunk
     if isinstance(n, int) and n == 0:
         return state
-    last = mx.take(log_G, mx.array(n - 1).reshape(1), axis=-1)  # log G_n
+    last_index = n - 1 if last_index is None else last_index
+    at = last_index.reshape(1) if isinstance(last_index, mx.array) else mx.array([last_index])
+    last = mx.take(log_G, at, axis=-1)  # log G_n
     kept = mx.arange(log_G.shape[-1]) < n
     weights = mx.where(kept, mx.exp(last - log_G), 0.0)[..., None]  # G_n / G_i for i <= n
     return mx.exp(last)[..., None] * state + (d * weights).swapaxes(-1, -2) @ k
@@ -191,7 +194,9 @@ class BlockDeltaMixer(nn.Module):
         self.mixer = mixer
         self.stepwise = on_cuda() if stepwise is None else stepwise
         self._before: Optional[list] = None  # the cache's arrays before the latest call
-        self._latest: Optional[tuple] = None  # (conv window + inputs, state after n tokens) of the latest block
+        # of the latest block: its conv window + inputs, then what gives the state after any prefix
+        # (stepwise: the states after each token; chunked: ``chunk_delta_rule``'s chunk)
+        self._latest: Optional[tuple[mx.array, ...]] = None
 
     def _projections(self, inputs: mx.array) -> tuple[mx.array, ...]:
         """(q|k|v before the conv [B, S, conv_dim], z [B, S, Hv, Dv], b, a [B, S, Hv])."""
@@ -231,18 +236,16 @@ class BlockDeltaMixer(nn.Module):
         g, beta = compute_g(m.A_log, a, m.dt_bias), mx.sigmoid(b)
         if self.stepwise:
             y, cache[1], states = stepwise_delta_rule(q, k, v, g, beta, state, save_states=S <= MAX_BLOCK)
-
-            def state_at(n: Union[int, mx.array]) -> mx.array:
-                return mx.take(states, mx.array(n - 1), axis=0)
+            prefix_states = (states,)
         else:
-            y, cache[1], state_at = self._chunked(q, k, v, g, beta, state)
+            y, cache[1], prefix_states = self._chunked(q, k, v, g, beta, state)
         if S <= MAX_BLOCK:  # a block: keep what rewinding to any prefix needs
-            self._latest = (conv_input, state_at)
+            self._latest = (conv_input, *prefix_states)
         out = m.norm(y.astype(inputs.dtype), z)
         return m.out_proj(out.reshape(B, S, -1))
 
-    def _chunked(self, q, k, v, g, beta, state) -> tuple[mx.array, mx.array, Any]:
-        """(y [B, S, Hv, Dv], the final state, the state after n tokens of the last chunk)."""
+    def _chunked(self, q, k, v, g, beta, state) -> tuple[mx.array, mx.array, tuple]:
+        """(y [B, S, Hv, Dv], the final state, the last chunk: the state after any prefix of it)."""
         if (repeat := v.shape[2] // k.shape[2]) > 1:
             q, k = mx.repeat(q, repeat, axis=2), mx.repeat(k, repeat, axis=2)
         log_g = mx.log(mx.maximum(g, 1e-30))  # a full decay: G ~ 0, not log 0
@@ -255,19 +258,40 @@ class BlockDeltaMixer(nn.Module):
             state = state_after(chunk, y.shape[2])
             ys.append(y)
         y = mx.concatenate(ys, axis=2) if len(ys) > 1 else ys[0]
-        return y.swapaxes(1, 2), state, lambda n: state_after(chunk, n)
+        return y.swapaxes(1, 2), state, chunk
 
-    def rewind(self, cache: Any, keep: Union[int, mx.array]) -> None:
+    def block_arrays(self) -> list[mx.array]:
+        """What the latest block keeps for a rewind: a compiled block forward returns these
+        (``Target``), and hands the real ones back with ``took_block``."""
+        return list(self._latest) if self._latest is not None else []
+
+    def took_block(self, before: list, latest: list[mx.array]) -> None:
+        """Outside a trace: the cache's arrays before a compiled block and its ``block_arrays``."""
+        self._before, self._latest = before, tuple(latest)
+
+    def rewind(self, cache: Any, keep: Union[int, mx.array], memo: Optional[dict] = None) -> None:
         """Set ``cache`` to its state after the first ``keep`` tokens of the latest call (any
         prefix of a block; of other calls, none of it). ``keep`` may be a count still on the
-        device (at least 1): nothing here needs its value on the host."""
+        device (at least 1): nothing here needs its value on the host. ``memo`` (one per rollback
+        of all layers): the layers' rewinds share the index arithmetic on ``keep``, which on a
+        GPU is a kernel launch per op (24 layers at Qwen3.5-9B's shape)."""
         if isinstance(keep, int) and keep == 0 and self._before is not None:
             cache.cache = list(self._before)
         elif self._latest is not None:
-            conv_input, state_at = self._latest
-            window = self.mixer.conv_kernel_size - 1
-            cache[0] = mx.take(conv_input, keep + mx.arange(window), axis=1)
-            cache[1] = state_at(keep)
+            conv_input, *prefix_states = self._latest
+            rows, last = _prefix_indices(keep, self.mixer.conv_kernel_size - 1, {} if memo is None else memo)
+            cache[0] = mx.take(conv_input, rows, axis=1)
+            cache[1] = mx.take(prefix_states[0], last, axis=0) if self.stepwise else state_after(prefix_states, keep, last)
         else:
             raise RuntimeError("a recurrent cache can roll back its latest call, once; part of it only after a block")
         self._before = self._latest = None
+
+
+def _prefix_indices(keep: Union[int, mx.array], window: int, memo: dict) -> tuple[mx.array, Union[int, mx.array]]:
+    """(the conv window's rows, the last kept token's index) of a prefix of ``keep`` tokens,
+    made once per ``memo``."""
+    if ("rows", window) not in memo:
+        memo["rows", window] = keep + mx.arange(window)
+    if "last" not in memo:
+        memo["last"] = keep - 1
+    return memo["rows", window], memo["last"]

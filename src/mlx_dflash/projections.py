@@ -6,9 +6,10 @@ the dearest launch there is a matmul of several rows: cuBLAS, captured into a ch
 with as many primitives; ``scripts/launch_costs.py``). Two changes, both only inside the traced
 block forward (``Target``'s compiled blocks), per model instance, no class patched:
 
-- **Packed**: an attention layer computes q, k and v from one input, an MLP its gate and up. Each
-  group's matrices are packed into one (the members' weights become views of it: no extra
-  memory), multiplied once and the product split: three matmuls a layer fewer.
+- **Packed**: an attention layer computes q, k and v from one input, an MLP its gate and up, a
+  Gated DeltaNet mixer its four (Qwen3.5) or two (Qwen3-Next) input projections. Each group's
+  matrices are packed into one (the members' weights become views of it: no extra memory),
+  multiplied once and the product split: three matmuls a layer fewer (Qwen3.5: four).
 - **Row by row** (``ROWWISE_PRODUCTS``; by default on GPUs, for models up to ``ROWWISE_MAX_BYTES``):
   ``x @ W.T`` as ``W @ x[..., None]``, a batch of matrix-vector products with the weight
   broadcast, which MLX runs as its own gemv kernel (one graph node, no cuBLAS), the kernel of
@@ -33,7 +34,9 @@ import mlx.nn as nn
 
 from .device import on_gpu
 
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+          ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # a Qwen3.5 Gated DeltaNet's inputs
+          ("in_proj_qkvz", "in_proj_ba"))  # Qwen3-Next's
 WEIGHTS = ("weight", "scales", "biases", "bias")  # what a (quantized) linear layer may hold
 PACK_PROJECTIONS = True  # in compiled blocks (False: separate matmuls there too, to measure the difference)
 ROWWISE_PRODUCTS: Optional[bool] = None  # plain (unquantized) projections row by row; None: see below

@@ -212,6 +212,20 @@ class BufferView:
         return visible_keys(self.keys.shape[2], self.offset, N)
 
 
+def recurrent_view(window: mx.array, state: mx.array) -> ArraysCache:
+    """A Gated DeltaNet layer's cache inside a compiled block forward (``Target``): its conv
+    window and recurrent state, inputs of the trace."""
+    view = ArraysCache(2)
+    view.cache = [window, state]
+    return view
+
+
+def cache_arrays(cache: Any) -> tuple[mx.array, mx.array]:
+    """The two arrays a compiled block forward takes and returns for a layer's cache: keys and
+    values (a ``DeviceKVCache``'s whole buffers), or a recurrent layer's conv window and state."""
+    return (cache[0], cache[1]) if is_recurrent(cache) else (cache.keys, cache.values)
+
+
 def trim_attention_cache(cache: Any, num_tokens: Count, memo: Optional[dict] = None) -> None:
     """Drop the last ``num_tokens`` positions of a key/value cache (of a ``DeviceKVCache``
     also by a count still on the device; ``memo``: see ``shared_count``)."""

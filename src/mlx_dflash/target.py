@@ -29,8 +29,8 @@ from .device import on_gpu
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .projections import block_projections
-from .rollback import (PADDED_BLOCK, BufferView, DeviceKVCache, device_count, is_recurrent, trim_attention_cache,
-                       unsupported_cache)
+from .rollback import (PADDED_BLOCK, BufferView, DeviceKVCache, cache_arrays, device_count, is_recurrent,
+                       recurrent_view, trim_attention_cache, unsupported_cache)
 
 # Families tested end to end against mlx-lm greedy (tests/test_families.py). Others fail
 # at load time: a family we have not checked could hide a cache we cannot roll back.
@@ -42,7 +42,7 @@ SUPPORTED_FAMILIES = {
 }
 SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(hidden_size)
 
-# A block (2..PADDED_BLOCK tokens) through a target of only KV caches runs under mx.compile:
+# A block (2..PADDED_BLOCK tokens) through a target of only KV and recurrent caches runs under mx.compile:
 # the host replays a traced graph instead of running the model's Python, and elementwise ops
 # fuse. On a GPU a small model is bound by that host work (H200, SmolLM2-135M, 16 tokens at 300
 # positions: graph 0.67 vs 1.47 ms, launch 5.94 vs 6.48 ms; scripts/launch_costs.py). On a
@@ -231,30 +231,43 @@ class Target:
         else:
             longest = PADDED_BLOCK if COMPILE_BLOCKS else 0
         return (1 < tokens.shape[1] <= longest
-                and all(isinstance(c, DeviceKVCache) and c.keys is not None for c in cache))
+                and all(c.keys is not None if isinstance(c, DeviceKVCache) else is_recurrent(c) and not c.empty()
+                        for c in cache))
 
-    def _compiled_block(self, tokens: mx.array, cache: list[DeviceKVCache]) -> tuple[mx.array, mx.array]:
-        """The forward of a block under mx.compile, each cache's whole buffer as an input and
-        an output (``rollback.BufferView``); traced again only when a shape changes."""
+    def _compiled_block(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """The forward of a block under mx.compile, each cache's arrays as inputs and outputs
+        (a key/value cache's whole buffer, ``rollback.BufferView``; a recurrent layer's conv
+        window and state, and what its mixer keeps for a rewind); traced again only when a shape
+        changes. Hybrids (Qwen3.5, Qwen3-Next) compile too: their eager verify at Qwen3.5-9B's
+        shape was bound by the host building ~24 Gated DeltaNet layers' small ops."""
+        mixers = self._block_mixers
         if self.recorder.block_forward is None:
             projections = block_projections(self.model)  # (packed, row by row: projections.py)
 
-            def forward(tokens: mx.array, offset: mx.array, *buffers: mx.array):
-                views = [BufferView(buffers[i], buffers[i + 1], offset) for i in range(0, len(buffers), 2)]
+            def forward(tokens: mx.array, offset: mx.array, *arrays: mx.array):
+                views = [recurrent_view(*arrays[j : j + 2]) if i in mixers else BufferView(*arrays[j : j + 2], offset)
+                         for i, j in enumerate(range(0, len(arrays), 2))]
                 with projections.installed():
                     logits, features = self._forward(tokens, views, block=True)
-                return logits, features, *(x for view in views for x in (view.keys, view.values))
+                return (logits, features, *(x for view in views for x in cache_arrays(view)),
+                        *(x for mixer in mixers.values() for x in mixer.block_arrays()))
             self.recorder.block_forward = mx.compile(forward)
         n = tokens.shape[1]
-        for layer_cache in cache:
+        attention = [c for c in cache if isinstance(c, DeviceKVCache)]
+        for layer_cache in attention:
             layer_cache.make_room(n)
-        start = cache[0].offset  # (every layer is at the same position)
-        logits, features, *buffers = self.recorder.block_forward(
-            tokens, device_count(start),
-            *(x for layer_cache in cache for x in (layer_cache.keys, layer_cache.values)))
+        start = attention[0].offset if attention else 0  # (every layer is at the same position)
+        logits, features, *arrays = self.recorder.block_forward(
+            tokens, device_count(start), *(x for layer_cache in cache for x in cache_arrays(layer_cache)))
+        layer_arrays, kept = arrays[: 2 * len(cache)], iter(arrays[2 * len(cache) :])
+        per_mixer = (len(arrays) - 2 * len(cache)) // max(len(mixers), 1)
         end = start + n  # an int stays an int: the host keeps knowing the exact length
-        for layer_cache, keys, values in zip(cache, buffers[::2], buffers[1::2]):
-            layer_cache.wrote(keys, values, n, end)
+        for i, (layer_cache, a, b) in enumerate(zip(cache, layer_arrays[::2], layer_arrays[1::2])):
+            if i in mixers:  # (in layer order, as the forward returned their arrays)
+                mixers[i].took_block(list(layer_cache.cache), [next(kept) for _ in range(per_mixer)])
+                layer_cache.cache = [a, b]
+            else:
+                layer_cache.wrote(a, b, n, end)
         return logits, features
 
     def _forward(self, tokens: mx.array, cache: list[Any], block: bool = False) -> tuple[mx.array, mx.array]:
@@ -285,7 +298,7 @@ class Target:
         keep = self._latest_length - num_tokens if self._block_mixers else None  # (one count for all of them)
         for i, layer_cache in enumerate(cache):
             if i in self._block_mixers:
-                self._block_mixers[i].rewind(layer_cache, keep)
+                self._block_mixers[i].rewind(layer_cache, keep, memo)
             else:
                 trim_attention_cache(layer_cache, num_tokens, memo)
 
