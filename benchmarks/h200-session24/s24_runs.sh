@@ -11,10 +11,9 @@ source .device/b/env.sh
 export PYTHONPATH=$PWD/src:$PYTHONPATH PYTHONUNBUFFERED=1 MLX_DFLASH_HOME=/tmp/mlxd
 nvidia-smi --query-gpu=name --format=csv,noheader
 if [ -n "${TESTS:-}" ]; then
-  timeout 200 python3 -m pytest -p no:cacheprovider -o addopts="" -q -rs tests/test_delta_rule.py \
+  timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -p no:cacheprovider -o addopts="" -v -rs ${TESTS_TO_RUN:-tests/test_delta_rule.py \
     tests/test_cuda_attention.py tests/test_families.py::test_compiled_blocks_equal_eager_ones \
-    tests/test_families.py::test_queued_cycles_equal_greedy \
-    > "$OUT/tests.txt" 2>&1; echo "pytest rc $?" | tee -a "$OUT/tests.txt"; tail -3 "$OUT/tests.txt"
+    tests/test_families.py::test_queued_cycles_equal_greedy} > "$OUT/tests.txt" 2>&1; echo "pytest rc $?" | tee -a "$OUT/tests.txt"; tail -3 "$OUT/tests.txt"
 fi
 if [ -n "${COSTS:-}" ]; then
   echo "== launch costs, qwen3.5-9b"
