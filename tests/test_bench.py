@@ -112,6 +112,23 @@ def test_scale_targets_have_a_steady_greedy_continuation(shape):
     assert mx.min((first - second) / mx.abs(first)).item() > 0.2
 
 
+def test_scale_modes_tokenizer_streams_each_token_once():
+    """Scale mode's tokenizer streams text through mlx-lm's SentencePiece detokenizer (constant
+    work a token, as real tokenizers'), not the default one, which decoded the whole unending
+    line again for every token: O(T^2) work that mlx-lm's baseline paid every token."""
+    from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer
+
+    from mlx_dflash.scale import null_tokenizer
+
+    detokenizer = null_tokenizer(100).detokenizer
+    assert isinstance(detokenizer, SPMStreamingDetokenizer)
+    detokenizer.reset()
+    for token in (5, 6, 42):
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    assert detokenizer.text == "t5 t6 t42"
+
+
 def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):
     """Scale mode end to end on the tiny Gated DeltaNet shape with a quantized draft (a quantized
     target works the same way but MLX's CPU quantized matmul makes it 8x slower here)."""
