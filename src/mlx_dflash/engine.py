@@ -258,7 +258,9 @@ def decode_cycles(
                 queued = launch(bonus, *choice) if queue_blocks or choice[0] == 1 else None
         a = 0 if accepted is None else accepted.item()  # the cycle's single device-to-host sync
         whole = a + 1 == block_len  # (a plain step's sync is the tolist: its tokens are all kept)
-        committed = (tokens if whole else tokens[: a + 1]).tolist()  # a accepted drafts, then the bonus
+        # a accepted drafts, then the bonus; sliced on the host: a slice is a new array, and
+        # reading it waits for everything queued before it, the next cycle included
+        committed = tokens.tolist()[: a + 1]
         if policy:
             forecast = guess is not None and block_len == 1  # its time holds a draft pass
             seconds = time.perf_counter() - synced - launched + own_launch
