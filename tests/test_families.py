@@ -95,7 +95,7 @@ def test_llama_block_size_10(tiny_dir):
     assert result.tokens == reference and max(result.acceptance_lengths) == 10
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_queued_cycles_equal_greedy(tiny_dir, family, monkeypatch):
     """What GPUs run, here on the CPU: each block queued before the previous accept count is
     read (rollback, draft context and next first token from the count on the device), keys read
@@ -239,7 +239,8 @@ def test_a_device_count_cuts_all_layers_offsets_once(tiny_dir, compiled, monkeyp
 
 
 @pytest.mark.parametrize("family, stepwise", [("llama", None), ("qwen3", None), ("qwen3_moe", None),
-                                              ("qwen3_5", False), ("qwen3_5", True), ("qwen3_next", False)])
+                                              ("qwen3_5", False), ("qwen3_5", True), ("qwen3_5_moe", True),
+                                              ("qwen3_next", False)])
 def test_compiled_blocks_equal_eager_ones(tiny_dir, family, stepwise, monkeypatch):
     """A block through the compiled forward (whole buffers in and out; a hybrid's recurrent
     states and what its mixers keep for a rewind, both forms of the delta rule) gives the eager
