@@ -238,8 +238,10 @@ class Target:
         """The forward of a block under mx.compile, each cache's arrays as inputs and outputs
         (a key/value cache's whole buffer, ``rollback.BufferView``; a recurrent layer's conv
         window and state, and what its mixer keeps for a rewind); traced again only when a shape
-        changes. Hybrids (Qwen3.5, Qwen3-Next) compile too: their eager verify at Qwen3.5-9B's
-        shape was bound by the host building ~24 Gated DeltaNet layers' small ops."""
+        changes. Hybrids (Qwen3.5, Qwen3-Next) compile too: at Qwen3.5-9B's shape on an H200 an
+        eager verify took 17.6 ms queued back to back, a compiled one 14.1 (host-bound: building
+        24 Gated DeltaNet layers' small ops, 265 matmuls unpacked; BENCHMARKS.md, twenty-fourth
+        session)."""
         mixers = self._block_mixers
         if self.recorder.block_forward is None:
             projections = block_projections(self.model)  # (packed, row by row: projections.py)
