@@ -9,6 +9,7 @@ build (its header differs): the kernels' GPU tests remain the proof that they ru
 
 import ctypes
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -46,6 +47,7 @@ def _cuda_root() -> Optional[Path]:
 ROOT = _cuda_root()
 
 
+@lru_cache(maxsize=1)
 def _nvrtc() -> ctypes.CDLL:
     builtins = next((ROOT / "lib").glob("libnvrtc-builtins.so.*"))
     ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)  # (NVRTC opens it by name: found loaded)

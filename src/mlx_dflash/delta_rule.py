@@ -36,6 +36,7 @@ an H200, the chunked form 1.2-1.6 ms).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional, Union
 
 import mlx.core as mx
@@ -43,6 +44,7 @@ import mlx.nn as nn
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from .device import on_apple_gpu, on_cuda
+from .rollback import Count, shared_count
 
 MAX_BLOCK = 64  # tokens per chunk; a verify block is one chunk, a prompt several
 
@@ -287,11 +289,9 @@ class BlockDeltaMixer(nn.Module):
         self._before = self._latest = None
 
 
-def _prefix_indices(keep: Union[int, mx.array], window: int, memo: dict) -> tuple[mx.array, Union[int, mx.array]]:
+def _prefix_indices(keep: Count, window: int, memo: dict) -> tuple[mx.array, Count]:
     """(the conv window's rows, the last kept token's index) of a prefix of ``keep`` tokens,
-    made once per ``memo``."""
+    made once per ``memo`` (the index by ``rollback.shared_count``, as the offsets are cut)."""
     if ("rows", window) not in memo:
         memo["rows", window] = keep + mx.arange(window)
-    if "last" not in memo:
-        memo["last"] = keep - 1
-    return memo["rows", window], memo["last"]
+    return memo["rows", window], shared_count(memo, operator.sub, keep, 1)

@@ -257,9 +257,10 @@ def decode_cycles(
                 choice = next_block(uncounted=1)
                 queued = launch(bonus, *choice) if queue_blocks or choice[0] == 1 else None
         a = 0 if accepted is None else accepted.item()  # the cycle's single device-to-host sync
-        whole = a + 1 == block_len  # (a plain step's sync is the tolist: its tokens are all kept)
-        # a accepted drafts, then the bonus; sliced on the host: a slice is a new array, and
-        # reading it waits for everything queued before it, the next cycle included
+        whole = a + 1 == block_len
+        # a accepted drafts, then the bonus (a plain step's sync is this tolist: its token is kept);
+        # sliced on the host: a slice is a new array, and reading it waits for everything queued
+        # before it, the next cycle included
         committed = tokens.tolist()[: a + 1]
         if policy:
             forecast = guess is not None and block_len == 1  # its time holds a draft pass
