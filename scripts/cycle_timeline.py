@@ -82,8 +82,9 @@ for index in args.prompt_index:
     proposer = draft
     if args.scale:
         reference = run_mlx_lm(model, tokenizer, prompt, args.tokens)[0]
-        proposer = ReplayProposer(prompt + reference, draft.block_size, geometric_schedule(args.replay_mean, draft.block_size),
-                                  config["vocab_size"], cost_of=engine.DFlashProposer(draft))
+        schedule = geometric_schedule(args.replay_mean, draft.block_size)
+        proposer = ReplayProposer(prompt + reference, draft.block_size, schedule, config["vocab_size"],
+                                  cost_of=engine.DFlashProposer(draft))
     for name, run in [
         ("mlx-lm", lambda: run_mlx_lm(model, tokenizer, prompt, args.tokens)),
         ("dflash", lambda: generate(model, tokenizer, prompt, proposer, max_tokens=args.tokens,
