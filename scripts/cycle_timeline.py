@@ -13,8 +13,8 @@ if they are large, the device is. DFlash's other graph pieces are timed too: the
 rollback and settle, the draft's context update and settle.
 
 ``--scale SHAPE --replay-mean M``: as the benchmark's scale mode, a random-weight target of that
-shape and a random draft that runs every cycle, its proposals replaced by mlx-lm's greedy tokens
-corrupted to a mean acceptance of M (``replay.py``).
+shape, one random 128-token prompt, and a random draft that runs every cycle, its proposals
+replaced by mlx-lm's greedy tokens corrupted to a mean acceptance of M (``replay.py``).
 """
 
 import argparse
