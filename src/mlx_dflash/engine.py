@@ -260,7 +260,8 @@ def decode_cycles(
         whole = a + 1 == block_len
         # a accepted drafts, then the bonus (a plain step's sync is this tolist: its token is kept);
         # sliced on the host: a slice is a new array, and reading it waits for everything queued
-        # before it, the next cycle included
+        # before it, the next cycle included (H200, Qwen3.5-9B replay: 4.55x of mlx-lm against
+        # 3.96x; BENCHMARKS.md, twenty-fifth session)
         committed = tokens.tolist()[: a + 1]
         if policy:
             forecast = guess is not None and block_len == 1  # its time holds a draft pass
