@@ -62,10 +62,17 @@ def wrapped(name: str, body: str, inputs: list, outputs: list, template: dict) -
         params += [f"const __grid_constant__ {kind} {n}_{suffix}"
                    for kind, suffix in (("Shape", "shape"), ("Strides", "strides")) if f"{n}_{suffix}" in body]
     params += [f"{template.get(t, t)}* {n}" for n, t in outputs]
-    constants = [f"  using {k} = {v};" if isinstance(v, str) else
-                 f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower() if isinstance(v, bool) else v};"
-                 for k, v in template.items()]
-    return PREAMBLE + f"__global__ void {name}({', '.join(params)}) {{\n" + "\n".join(constants) + body + "\n}\n"
+    constants = "\n".join(_template_line(k, v) for k, v in template.items())
+    return PREAMBLE + f"__global__ void {name}({', '.join(params)}) {{\n" + constants + body + "\n}\n"
+
+
+def _template_line(key: str, value) -> str:
+    """One template argument as MLX declares it: a type, a bool or an int."""
+    if isinstance(value, str):
+        return f"  using {key} = {value};"
+    if isinstance(value, bool):
+        return f"  constexpr bool {key} = {str(value).lower()};"
+    return f"  constexpr int {key} = {value};"
 
 
 def compile_for_h200(source: str) -> tuple[int, str]:
