@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import signal
 import sys
 
 from .errors import DFlashError
@@ -110,14 +113,45 @@ def _models_rm(args) -> None:
         print(f"removed {path}")
 
 
-def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[int]:
+def _format_prompt(tokenizer, prompt: str, chat, system) -> str | list[dict]:
+    """The prompt as text, or as chat messages (default: when the tokenizer has a template)."""
     use_chat = chat if chat is not None else getattr(tokenizer, "chat_template", None) is not None
     if not use_chat:
         return prompt
     if getattr(tokenizer, "chat_template", None) is None:
         raise DFlashError("--chat was given but the tokenizer has no chat template")
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def _check_text(**texts) -> None:
+    """Command-line text must be UTF-8: other bytes reach Python as lone surrogates."""
+    for name, values in texts.items():
+        for value in [values] if isinstance(values, str) or values is None else values:
+            try:
+                (value or "").encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raw = value.encode("utf-8", "surrogateescape")[exc.start : exc.end]
+                raise DFlashError(f"--{name} is not valid UTF-8 (byte {raw.hex(' ')} at character {exc.start}); "
+                                  "pass UTF-8 text (e.g. convert it with iconv)") from None
+
+
+def _prefill_progress():
+    """A progress bar on stderr for prompts of several prefill chunks (none for short ones)."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            if done == total - 1:  # one chunk: done already
+                return
+            bar = tqdm(total=total, desc="prefill", unit="tok", file=sys.stderr, leave=False)
+        bar.update(done - bar.n)
+        if done == total - 1:
+            bar.close()
+
+    return update
 
 
 def _set_draft_window(draft, window) -> None:
@@ -137,8 +171,9 @@ def _load_pair(args):
     from .target import check_compatible, float_dtype, load_target
 
     name = args.model or DEFAULT_MODEL
+    draft_path = args.draft or shipped_draft(name)  # (before the target: no download for a pair that cannot run)
     model, tokenizer = load_target(name)
-    draft = load_draft(args.draft or shipped_draft(name), dtype=float_dtype(model))
+    draft = load_draft(draft_path, dtype=float_dtype(model))
     check_compatible(draft, model)
     _set_draft_window(draft, args.draft_window)
     if args.draft_quant:
@@ -151,13 +186,16 @@ def _run_generate(args) -> None:
 
     if args.max_tokens < 1:
         raise DFlashError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.block_size is not None and args.block_size < 1:
+        raise DFlashError(f"--block-size must be at least 1, got {args.block_size}")
+    _check_text(prompt=args.prompt, system=args.system, stop=args.stop)
+    sampling = _sampling_from_args(args)
     model, tokenizer, draft, _ = _load_pair(args)
     prompt = _format_prompt(tokenizer, args.prompt, args.chat, args.system)
     acceptance = []
-    sampling = _sampling_from_args(args)
     for response in stream_generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
                                     block_size=args.block_size, stop=args.stop, sampling=sampling,
-                                    adaptive=args.adaptive):
+                                    adaptive=args.adaptive, prompt_progress=_prefill_progress()):
         print(response.text, end="", flush=True)
         if response.acceptance_length is not None:
             acceptance.append(response.acceptance_length)
@@ -370,6 +408,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--context-limit", type=int, default=None,
                    help="max prompt + completion tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens a request may ask for")
+    p.add_argument("--block-size", type=int, default=None, help="largest block (default: the draft's)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="fall back to plain decoding while drafts lose (measured each cycle); same output")
     p.set_defaults(func=_run_serve)
 
 
@@ -377,16 +418,45 @@ def _run_serve(args) -> None:
     import uvicorn
 
     from .server import Served, create_app
-    from .target import text_args
+    from .target import context_length
 
     if not 0 < args.port < 65536:
         raise DFlashError(f"--port must be in 1..65535, got {args.port}")
-    model, tokenizer, draft, model_name = _load_pair(args)
-    context = args.context_limit or getattr(text_args(model), "max_position_embeddings", None) or 4096
-    if context < 2 or args.max_tokens_limit < 1:
+    if (args.context_limit is not None and args.context_limit < 2) or args.max_tokens_limit < 1:
         raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")
-    served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context))
-    uvicorn.run(create_app(served), host=args.host, port=args.port)
+    if args.block_size is not None and args.block_size < 1:
+        raise DFlashError(f"--block-size must be at least 1, got {args.block_size}")
+    with _bound_socket(args.host, args.port) as sock:  # (checked before the model loads)
+        model, tokenizer, draft, model_name = _load_pair(args)
+        if args.block_size is not None and args.block_size > draft.block_size:
+            raise DFlashError(f"--block-size must be at most the draft's {draft.block_size}, got {args.block_size}")
+        model_context = context_length(model) or 4096
+        context = min(args.context_limit or model_context, model_context)
+        served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context),
+                        adaptive=args.adaptive, block_size=args.block_size)
+        config = uvicorn.Config(create_app(served), log_level="info")
+        print(f"serving {model_name} on http://{args.host}:{args.port}", file=sys.stderr)
+        uvicorn.Server(config).run(sockets=[sock])
+
+
+def _bound_socket(host: str, port: int):
+    """A listening socket on host:port, or one clear line when the port is taken."""
+    import socket
+
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+    except OSError as exc:
+        raise DFlashError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        raise DFlashError(f"cannot listen on {host}:{port}: {reason}") from None
+    return sock
 
 
 def _add_quantize(sub) -> None:
@@ -461,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_draft_vocab(sub)
     _add_doctor(sub)
     args = parser.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: temporary files (a model fetch's) are removed on the way out
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         args.func(args)
     except DFlashError as exc:
@@ -468,7 +540,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _terminate(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,50 @@ def default_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> l
     return [round(1 + j * span / (num_draft_inputs - 1)) for j in range(num_draft_inputs)]
 
 
+POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                 "num_target_layers", "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size",
+                 "sliding_window")
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_config_values(raw: dict, dflash: dict) -> None:
+    """One line naming the first field of a draft config that a model cannot be built from."""
+    for key in POSITIVE_INTS:
+        value = raw.get(key)
+        if value is not None and not (_is_int(value) and value > 0):
+            raise DFlashError(f"draft config.json: {key} must be a positive integer, got {value!r}")
+    for key in POSITIVE_NUMBERS:
+        value = raw.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise DFlashError(f"draft config.json: {key} must be a positive number, got {value!r}")
+    heads, kv_heads = raw["num_attention_heads"], raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    if heads % kv_heads:
+        raise DFlashError(f"draft config.json: num_attention_heads ({heads}) is not a multiple of "
+                          f"num_key_value_heads ({kv_heads})")
+    if not raw.get("head_dim") and raw["hidden_size"] % heads:
+        raise DFlashError(f"draft config.json: hidden_size ({raw['hidden_size']}) is not a multiple of "
+                          f"num_attention_heads ({heads}) and no head_dim is given")
+    if not _is_int(dflash["mask_token_id"]) or dflash["mask_token_id"] < 0:
+        raise DFlashError(f"draft config.json: dflash_config.mask_token_id must be a token id, got "
+                          f"{dflash['mask_token_id']!r}")
+    ids = dflash.get("target_layer_ids")
+    if ids is not None and not (isinstance(ids, list) and ids and all(_is_int(i) and i >= 0 for i in ids)):
+        raise DFlashError(f"draft config.json: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
+    for key in ("context_window", "context_sink"):
+        if dflash.get(key) is not None and not (_is_int(dflash[key]) and dflash[key] >= 0):
+            raise DFlashError(f"draft config.json: dflash_config.{key} must be a count, got {dflash[key]!r}")
+    types = raw.get("layer_types")
+    if types is not None and not (isinstance(types, list) and len(types) == raw["num_hidden_layers"]):
+        raise DFlashError("draft config.json: layer_types must list one type per layer")
+    for key in ("rope_scaling",):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise DFlashError(f"draft config.json: {key} must be an object")
+
+
 @dataclass
 class DraftConfig:
     """The fields of a published draft ``config.json`` that the model uses."""
@@ -80,8 +124,12 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DraftConfig":
+        if not isinstance(raw, dict):
+            raise DFlashError(f"draft config.json must hold a JSON object, not a {type(raw).__name__}")
         raw = dict(raw)
         dflash = raw.pop("dflash_config", None) or {}
+        if not isinstance(dflash, dict):
+            raise DFlashError("draft config.json: dflash_config must be an object")
         required = [
             "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "vocab_size", "num_target_layers",
@@ -91,6 +139,7 @@ class DraftConfig:
             missing.append("dflash_config.mask_token_id")
         if missing:
             raise DFlashError(f"draft config.json lacks {', '.join(missing)}")
+        _check_config_values(raw, dflash)
         heads = raw["num_attention_heads"]
         layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(
             raw["num_target_layers"], raw["num_hidden_layers"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,9 +26,10 @@ from .draft import DFlashDraft
 from .errors import DFlashError
 from .policy import BlockPolicy
 from .sampling import SamplingParams, draft_tokens, first_token, matching_prefix, verify
-from .target import Target, check_compatible
+from .target import Target, check_compatible, context_length
 
 PREFILL_STEP = 2048
+CONTINUATION_TOKENS = 4  # prompt tokens a continuation's detokenizer is primed with
 
 
 class Proposer(Protocol):
@@ -125,15 +126,22 @@ class Cycle:
     acceptance_length: Optional[int]  # a + 1 for a verify cycle; None for the prefill token
 
 
-def _prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[Any]) -> mx.array:
+ProgressCallback = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens)
+
+
+def _prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[Any],
+             progress: Optional[ProgressCallback] = None) -> mx.array:
     """Run the prompt through the target as mlx-lm's ``generate_step`` does: all but its last
     token in chunks, then the last token alone; return that token's logits. (The same calls
     give the same kernels: a token's logits from a one-row pass and from the last row of a
     chunk differ in their last bits, enough to flip a bf16 near-tie on a GPU.)"""
     for start in range(0, prompt.size - 1, PREFILL_STEP):
-        _, features = target(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)], cache, prompt=True)
+        end = min(start + PREFILL_STEP, prompt.size - 1)
+        _, features = target(prompt[None, start:end], cache, prompt=True)
         proposer.add_context(features)
         mx.eval([c.state for c in cache], proposer.state)
+        if progress is not None:
+            progress(end, prompt.size)
     logits, features = target(prompt[None, -1:], cache)
     proposer.add_context(features)
     return logits[0, -1]
@@ -148,6 +156,7 @@ def decode_cycles(
     sampling: Optional[SamplingParams] = None,
     policy: Optional[BlockPolicy] = None,
     queue_ahead: Optional[bool] = None,
+    prompt_progress: Optional[ProgressCallback] = None,
 ) -> Iterator[Cycle]:
     """DFlash decoding; yields committed tokens cycle by cycle, at most ``max_tokens``.
 
@@ -161,7 +170,7 @@ def decode_cycles(
     if sampling is not None and sampling.seed is not None:
         mx.random.seed(sampling.seed)
     history = prompt.tolist()  # committed tokens before the current block, for logits processors
-    bonus = first_token(sampling, _prefill(target, proposer, prompt, cache)[None], prompt)  # [1]
+    bonus = first_token(sampling, _prefill(target, proposer, prompt, cache, prompt_progress)[None], prompt)  # [1]
 
     launched = 0.0  # host seconds spent in ``launch`` since the latest sync
 
@@ -248,11 +257,11 @@ def decode_cycles(
         queued = choice = None
         settled_on_device = block_len == 1 or queue_blocks
         if settled_on_device:  # roll back, add context and pick the next first token on the device
-            if accepted is None:  # a plain step keeps its token
+            if accepted is None:  # a plain greedy step keeps its token
                 proposer.add_context(features)
                 bonus = tokens
-            else:
-                bonus = keep_prefix(tokens, features, accepted[0])
+            else:  # (a sampled one-token block has nothing to roll back: its count is the host's 0)
+                bonus = keep_prefix(tokens, features, 0 if block_len == 1 else accepted[0])
             if (queue_blocks or can_queue_ahead) and emitted + 1 < max_tokens:
                 choice = next_block(uncounted=1)
                 queued = launch(bonus, *choice) if queue_blocks or choice[0] == 1 else None
@@ -341,8 +350,21 @@ def make_proposer(model: nn.Module, draft: Union[DFlashDraft, Proposer]) -> tupl
     return Target(model, draft.layer_ids), draft
 
 
-def encode_prompt(tokenizer, prompt: Union[str, list[int], mx.array]) -> mx.array:
-    if isinstance(prompt, str):
+Prompt = Union[str, list[int], list[dict], mx.array]
+
+
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> mx.array:
+    """Token ids of a prompt: ids as given; text as is, or in the chat template (``chat``);
+    a list of chat messages ({"role", "content"} dicts) always in the chat template."""
+    is_messages = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+    if chat or is_messages:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DFlashError("the tokenizer has no chat template: pass a plain prompt")
+        messages = prompt if is_messages else [{"role": "user", "content": prompt}]
+        if not all(isinstance(m, dict) for m in messages) or (not is_messages and not isinstance(prompt, str)):
+            raise DFlashError("chat needs a text prompt or a list of {'role', 'content'} messages")
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    elif isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
     prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt.astype(mx.uint32)
@@ -351,10 +373,29 @@ def encode_prompt(tokenizer, prompt: Union[str, list[int], mx.array]) -> mx.arra
     return prompt
 
 
+def bound_by_context(model: nn.Module, prompt_tokens: int, max_tokens: int) -> int:
+    """``max_tokens`` cut to what fits in the model's context after the prompt; a prompt that
+    leaves no room is refused (past the context a model's output is garbage)."""
+    context = context_length(model)
+    if context is None:
+        return max_tokens
+    if prompt_tokens >= context:
+        raise DFlashError(f"the prompt ({prompt_tokens} tokens) does not fit the model's context of {context} tokens")
+    return min(max_tokens, context - prompt_tokens)
+
+
+def _continue_after(detokenizer, prompt: mx.array) -> None:
+    """Prime the detokenizer with the prompt's last tokens, so that the first generated token
+    keeps its leading space (a completions client appends our text to its prompt)."""
+    for token in prompt[-CONTINUATION_TOKENS:].tolist():
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+
+
 def stream_generate(
     model: nn.Module,
     tokenizer,
-    prompt: Union[str, list[int], mx.array],
+    prompt: Prompt,
     draft: Union[DFlashDraft, Proposer],
     max_tokens: int = 256,
     block_size: Optional[int] = None,
@@ -362,11 +403,18 @@ def stream_generate(
     sampling: Optional[SamplingParams] = None,
     adaptive: Union[bool, BlockPolicy] = False,
     queue_ahead: Optional[bool] = None,
+    chat: bool = False,
+    continuation: bool = False,
+    prompt_progress: Optional[ProgressCallback] = None,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
-    Output ends at the first EOS (not emitted), at ``max_tokens`` tokens, or at the
-    first stop string (text cut before it; tokens end with the one completing it).
+    ``prompt``: text, token ids, or chat messages ([{"role": ..., "content": ...}], put in the
+    tokenizer's chat template); ``chat=True`` puts a text prompt in the template as a user turn.
+    Output ends at the first EOS (not emitted), at ``max_tokens`` tokens or the model's context,
+    or at the first stop string (text cut before it; tokens end with the one completing it).
+    ``continuation``: the text continues the prompt's exactly (a leading space is kept).
+    ``prompt_progress(done, total)`` is called after each prefill chunk.
     ``sampling``: temperature, top-p/k, min-p, logits processors and seed (default greedy).
     ``adaptive``: choose each cycle between plain decoding and full blocks by measured
     speed (``policy.py``); the output is the same either way. Not with a seeded
@@ -376,20 +424,23 @@ def stream_generate(
     ``queue_ahead``: see ``decode_cycles`` (default: on GPUs).
     """
     target, proposer = make_proposer(model, draft)
-    block_size = block_size or proposer.block_size
+    block_size = proposer.block_size if block_size is None else block_size
     if not 1 <= block_size <= proposer.block_size:
         raise DFlashError(f"block size must be in 1..{proposer.block_size} (the draft's), got {block_size}")
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
     stops = [s for s in (stop or []) if s]
     hold_back = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
-    prompt = encode_prompt(tokenizer, prompt)
+    prompt = encode_prompt(tokenizer, prompt, chat)
+    max_tokens = bound_by_context(model, prompt.size, max_tokens)
     eos = set(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
+    if continuation:
+        _continue_after(detokenizer, prompt)
+    start_chars = sent_chars = len(detokenizer.text)  # (the primed prompt's text is not ours)
 
     tokens: list[int] = []
-    sent_chars = 0
     tic = time.perf_counter()
     prefill_s = 0.0
     if sampling is not None and sampling.greedy and not sampling.logits_processors:
@@ -401,7 +452,8 @@ def stream_generate(
         if policy.max_block != block_size:
             raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {block_size}")
         policy.start_text()
-    cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, queue_ahead)
+    cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, queue_ahead,
+                           prompt_progress)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:
             prefill_s = time.perf_counter() - tic
@@ -416,7 +468,7 @@ def stream_generate(
             detokenizer.add_token(token)
             if stops:
                 text = detokenizer.text
-                cut = _find_stop(text, stops, max(0, sent_chars - hold_back))
+                cut = _find_stop(text, stops, max(start_chars, sent_chars - hold_back))
                 if cut is not None:
                     finish = "stop"
                     break
@@ -447,7 +499,7 @@ def stream_generate(
 def generate(
     model: nn.Module,
     tokenizer,
-    prompt: Union[str, list[int], mx.array],
+    prompt: Prompt,
     draft: Union[DFlashDraft, Proposer],
     **kwargs,
 ) -> GenerationResult:

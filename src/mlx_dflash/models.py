@@ -80,9 +80,10 @@ SHIPPED_DRAFTS = Path(__file__).parent / "drafts"  # drafts trained by `mlx-dfla
 
 
 def shipped_draft(model: str) -> str:
-    """The draft that ships with a registered model; other models need --draft."""
+    """The draft that ships with a registered model; other models need --draft. (Checked
+    before the model is fetched: no download for a pair that cannot run.)"""
     path = SHIPPED_DRAFTS / model
-    if not (path / "config.json").is_file():
+    if model not in REGISTRY or not (path / "config.json").is_file():
         raise DFlashError(f"no draft ships for {model!r}; pass --draft (a DFlash draft folder or Hugging Face id)")
     return str(path)
 

@@ -23,6 +23,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from .errors import DFlashError
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
@@ -39,12 +40,15 @@ class SamplingParams:
     accept: str = "speculative"  # or "match"
 
     def __post_init__(self) -> None:
-        if self.temp < 0 or self.temp > 100:
+        # (written as "not in range" so that NaN fails too)
+        if not 0 <= self.temp <= 100:
             raise DFlashError(f"temperature must be in [0, 100], got {self.temp}")
         if not 0 <= self.top_p <= 1:
             raise DFlashError(f"top_p must be in [0, 1], got {self.top_p}")
-        if self.top_k < 0 or not 0 <= self.min_p <= 1:
+        if not 0 <= self.top_k or not 0 <= self.min_p <= 1:
             raise DFlashError(f"top_k must be >= 0 and min_p in [0, 1], got {self.top_k}, {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise DFlashError(f"seed must be in 0..{MAX_SEED} (MLX's random seed is 64-bit unsigned), got {self.seed}")
         if self.accept not in ("speculative", "match"):
             raise DFlashError(f"accept must be 'speculative' or 'match', got {self.accept!r}")
 

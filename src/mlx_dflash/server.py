@@ -19,11 +19,12 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import stream_generate
 from .errors import DFlashError
 from .policy import BlockPolicy
-from .sampling import SamplingParams
+from .sampling import MAX_SEED, SamplingParams
 
 ROLES = {"system", "user", "assistant"}
 DEFAULT_MAX_TOKENS = 256
@@ -49,6 +50,7 @@ class Served:
     context_limit: int
     max_tokens_limit: int
     adaptive: bool = True  # plain decoding while drafts lose (same output either way)
+    block_size: Optional[int] = None  # the largest block (default: the draft's)
 
 
 @dataclass
@@ -65,11 +67,53 @@ def _number(body: dict, key: str, kind, default, low, high):
     value = body.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise RequestError(400, f"'{key}' must be a number", key)
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
+            or (kind is int and not (isinstance(value, int) or float(value).is_integer()))):
+        raise RequestError(400, f"'{key}' must be {'an integer' if kind is int else 'a number'}", key)
     if not low <= value <= high:
         raise RequestError(400, f"'{key}' must be between {low} and {high}, got {value}", key)
     return kind(value)
+
+
+def _text(value: Any, key: str) -> str:
+    """A request string that the tokenizer can take (JSON allows lone surrogates; UTF-8 does not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(400, f"'{key}' holds a lone surrogate (invalid Unicode)", key) from None
+    return value
+
+
+def _content(content: Any) -> str:
+    """A message's content: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return _text(content, "messages")
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+            raise RequestError(400, "only text content parts ({'type': 'text', 'text': ...}) are supported",
+                               "messages")
+        return "".join(_text(part["text"], "messages") for part in content)
+    raise RequestError(400, "each message needs a string 'content' or a list of text parts", "messages")
+
+
+def _chat_prompt(served: Served, messages: Any) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "'messages' must be a non-empty list", "messages")
+    if not all(isinstance(m, dict) and m.get("role") in ROLES for m in messages):
+        raise RequestError(400, "each message needs a 'role' (system, user or assistant)", "messages")
+    turns = [{"role": m["role"], "content": _content(m.get("content"))} for m in messages]
+    return list(served.tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+
+
+def _sampling(body: dict) -> Optional[SamplingParams]:
+    temp = _number(body, "temperature", float, 0.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
+    top_k = _number(body, "top_k", int, 0, 0, 1 << 30)
+    min_p = _number(body, "min_p", float, 0.0, 0.0, 1.0)
+    seed = _number(body, "seed", int, None, 0, MAX_SEED)
+    if temp == 0:
+        return None
+    return SamplingParams(temp=temp, top_p=top_p if top_p < 1 else 0.0, top_k=top_k, min_p=min_p, seed=seed)
 
 
 def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
@@ -78,7 +122,7 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise RequestError(400, "request body is not valid UTF-8") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
@@ -86,21 +130,18 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
     if model != served.name:
         raise RequestError(404, f"model '{model}' does not exist; this server serves '{served.name}'", "model",
                            "model_not_found")
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        raise RequestError(400, "'n' must be 1: this server returns one choice per request", "n")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(400, "'stream' must be true or false", "stream")
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "'messages' must be a non-empty list", "messages")
-        for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise RequestError(400, "each message needs a 'role' (system, user or assistant) and a string "
-                                   "'content'", "messages")
-        prompt = list(served.tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True))
+        prompt = _chat_prompt(served, body.get("messages"))
     else:
         text = body.get("prompt")
         if not isinstance(text, str) or not text:
             raise RequestError(400, "'prompt' must be a non-empty string", "prompt")
-        prompt = served.tokenizer.encode(text)
+        prompt = served.tokenizer.encode(_text(text, "prompt"))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     default = max(1, min(DEFAULT_MAX_TOKENS, served.max_tokens_limit, served.context_limit - len(prompt)))
     max_tokens = _number(body, limit_key, int, default, 1, served.max_tokens_limit)
@@ -112,13 +153,8 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
         raise RequestError(400, "'stop' must be a string or a list of at most 4 strings", "stop")
-    temp = _number(body, "temperature", float, 0.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(400, "'seed' must be an integer", "seed")
-    sampling = SamplingParams(temp=temp, top_p=top_p if top_p < 1 else 0.0, seed=seed) if temp > 0 else None
-    return Job(prompt, max_tokens, stop, sampling, chat, body.get("stream") is True)
+    stop = [_text(s, "stop") for s in stop]
+    return Job(prompt, max_tokens, stop, _sampling(body), chat, stream)
 
 
 def _usage(job: Job, completion_tokens: int, acceptance: list[int], tps: float) -> dict:
@@ -152,12 +188,22 @@ def create_app(served: Served) -> FastAPI:
     lock = asyncio.Lock()  # one generation at a time; waiters are served in arrival order
     counts = {"completed": 0, "cancelled": 0}  # generations, reported by /health
     # one block policy for all requests: the costs it measured carry over (policy.py)
-    adaptive = BlockPolicy(served.draft.block_size) if served.adaptive else False
+    block_size = served.block_size or served.draft.block_size
+    adaptive = BlockPolicy(block_size) if served.adaptive else False
 
     def stream(job: Job):
+        # (a completion continues its prompt exactly: its first token keeps a leading space)
         return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
-                               max_tokens=job.max_tokens, stop=job.stop, sampling=job.sampling,
-                               adaptive=adaptive)
+                               max_tokens=job.max_tokens, block_size=block_size, stop=job.stop,
+                               sampling=job.sampling, adaptive=adaptive, continuation=not job.chat)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405: one error shape everywhere
+        return error_response(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
     async def run(job: Job, request: Request) -> AsyncIterator:
         """Responses of one generation; stops when the client goes away."""
@@ -194,11 +240,17 @@ def create_app(served: Served) -> FastAPI:
         if job.stream:
             async def events():
                 tokens, acceptance, last = 0, [], None
-                async for r in run(job, request):
-                    last, tokens = r, tokens + len(r.tokens)
-                    acceptance += [r.acceptance_length] if r.acceptance_length else []
-                    if r.text:
-                        yield f"data: {json.dumps(_chunk(job, rid, created, served.name, r.text, None))}\n\n"
+                try:
+                    async for r in run(job, request):
+                        last, tokens = r, tokens + len(r.tokens)
+                        acceptance += [r.acceptance_length] if r.acceptance_length else []
+                        if r.text:
+                            yield f"data: {json.dumps(_chunk(job, rid, created, served.name, r.text, None))}\n\n"
+                except Exception as exc:  # after the 200: the error goes in the stream, as OpenAI's does
+                    error = {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "param": None,
+                             "code": None}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    return
                 if last is not None:
                     finish = "length" if last.finish_reason == "length" else "stop"
                     usage = _usage(job, tokens, acceptance, last.decode_tokens_per_sec)

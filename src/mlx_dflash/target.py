@@ -313,6 +313,11 @@ class Target:
                 layer_cache.settle(in_use, exact)
 
 
+def context_length(model: nn.Module) -> Optional[int]:
+    """The most tokens (prompt and output) the model was made for, where its config says."""
+    return getattr(text_args(model), "max_position_embeddings", None)
+
+
 def float_dtype(model: nn.Module):
     """The dtype the draft should run in next to ``model``: its embedding's float dtype
     (float32 on the CPU, where bfloat16 bypasses BLAS); a quantized one's scale dtype."""
