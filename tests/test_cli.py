@@ -106,3 +106,29 @@ def test_import_sets_mlx_cuda_defaults_unless_set(preset):
     code = f"import os, mlx_dflash; print(*(os.environ[k] for k in {ours!r}))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [preset or "0", "0", "0"]
+
+
+def test_dequantize_exports_float_weights_in_the_published_format(files, tmp_path, capsys):
+    """An 8-bit draft back to plain bfloat16 weights (what engines without quantized drafts read)."""
+    import mlx.core as mx
+
+    from mlx_dflash import load_draft
+    from mlx_dflash.draft import is_quantized
+
+    target, draft = files
+    q8, out = tmp_path / "q8", tmp_path / "float"
+    assert main(["quantize", draft, str(q8), "--bits", "8"]) == 0
+    assert main(["dequantize", str(q8), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization" not in config and config["dflash_config"]["mask_token_id"] == MASK_ID
+    weights = mx.load(str(out / "model.safetensors"))
+    assert all(v.dtype == mx.bfloat16 for v in weights.values()) and not any(k.endswith("scales") for k in weights)
+    plain, quantized = load_draft(str(out)), load_draft(str(q8))
+    assert not is_quantized(plain)
+    layer = quantized.layers[0].mlp.down_proj
+    expected = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+    assert mx.allclose(plain.layers[0].mlp.down_proj.weight.astype(mx.float32), expected, rtol=1e-2, atol=1e-3).item()
+    assert main(["generate", "--model", target, "--draft", str(out), "--prompt", "hi", "--max-tokens", "8"]) == 0
+    capsys.readouterr()
+    assert main(["dequantize", draft, str(tmp_path / "again")]) == 2
+    assert "is not quantized" in capsys.readouterr().err

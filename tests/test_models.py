@@ -75,6 +75,15 @@ def test_second_fetch_is_a_no_op(smollm2, monkeypatch):
     assert models.fetch("smollm2-135m", dtype="float32") == models.model_dir("smollm2-135m", "float32")
 
 
+def test_load_gives_the_default_pair(smollm2):
+    """What the README's API example runs: the embedded target and the draft shipped for it."""
+    from mlx_dflash import load
+
+    model, tokenizer, draft = load()
+    assert len(model.layers) == 30 and draft.config.num_target_layers == 30
+    assert draft.config.hidden_size == model.args.hidden_size
+
+
 def test_registered_name_works_as_model(smollm2):
     from mlx_dflash import load_target
 
@@ -130,6 +139,8 @@ def test_requantized_conversion_loads_and_generates(smollm2, tmp_path):
     assert config["quantization"]["bits"] == 8 and config["quantization"]["group_size"] == 32
     model, tokenizer = load(str(out))
     assert hasattr(model.layers[0].self_attn.q_proj, "scales")
+    # a class transformers 4.x and 5 both know (5's own name, TokenizersBackend, is new)
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     ids = reference("smollm2-135m")["generations"][0]["prompt_ids"]
     text = tokenizer.decode([t for t, _ in generate_step(mx.array(ids), model, max_tokens=8)])
     assert "Paris" in text or "capital" in text, text

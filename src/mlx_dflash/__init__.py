@@ -20,13 +20,17 @@ os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
 # 8/8 and 8/8 (BENCHMARKS.md, eighteenth session). bf16 and quantized models are unaffected.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+from .blas import use_fast_blas
 from .draft import DFlashDraft, create_random_draft, load_draft, save_draft
 from .engine import GenerationResult, StreamResponse, generate, stream_generate
 from .errors import DFlashError
+from .pair import load
+from .sampling import SamplingParams
 from .target import Target, load_target
 
 __version__ = "0.1.0"
 __all__ = [
-    "DFlashDraft", "DFlashError", "GenerationResult", "StreamResponse", "Target",
-    "create_random_draft", "generate", "load_draft", "load_target", "save_draft", "stream_generate",
+    "DFlashDraft", "DFlashError", "GenerationResult", "SamplingParams", "StreamResponse", "Target",
+    "create_random_draft", "generate", "load", "load_draft", "load_target", "save_draft", "stream_generate",
+    "use_fast_blas",
 ]

@@ -110,6 +110,20 @@ def status() -> str:
             f"sudo apt-get install {DEBIAN_PACKAGE}")
 
 
+def slow_blas_warning() -> Optional[str]:
+    """The one-line fix, when this process runs MLX's CPU path on the bundled reference BLAS
+    (Python scripts do unless they switch; the CLI and the tests switch by themselves)."""
+    if os.environ.get("MLX_DFLASH_BLAS") == "bundled" or not _cpu_linux() or _preloaded_blas():
+        return None
+    path = openblas_path()
+    if path is None:
+        return (f"warning: MLX runs on its bundled reference BLAS here, ~10x slower than OpenBLAS; "
+                f"install it (sudo apt-get install {DEBIAN_PACKAGE}, or mlx-dflash doctor --fix)")
+    return ("warning: MLX runs on its bundled reference BLAS here, ~10x slower than OpenBLAS; call "
+            "mlx_dflash.use_fast_blas() first thing in your script (it restarts the script with OpenBLAS), "
+            f"or start Python with LD_PRELOAD={path}")
+
+
 def use_fast_blas() -> None:
     """Re-exec this process with OpenBLAS preloaded, and its kernels fit to the CPU's flags,
     when that helps; otherwise return."""

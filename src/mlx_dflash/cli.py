@@ -84,12 +84,17 @@ def _add_models(sub) -> None:
 
 
 def _models_list(args) -> None:
-    from .models import REGISTRY, home, is_fetched
+    from .models import REGISTRY, damage, home, variants
 
     print(f"cache: {home()}")
     for entry in REGISTRY.values():
-        state = "fetched" if is_fetched(entry.name) else "not fetched"
-        print(f"{entry.name:22} {state:12} {entry.description} [license: {entry.license}]")
+        print(f"{entry.name:22} {entry.description} [license: {entry.license}]")
+        for folder in variants(entry.name):
+            problem = damage(folder)
+            state = f"damaged: {problem}; repair: mlx-dflash models fetch {entry.name}" if problem else "fetched"
+            print(f"  {folder.name[len(entry.name) + 1:]:20} {state}")
+        if not variants(entry.name):
+            print("  not fetched")
 
 
 def _models_fetch(args) -> None:
@@ -154,31 +159,12 @@ def _prefill_progress():
     return update
 
 
-def _set_draft_window(draft, window) -> None:
-    if window is None:
-        return
-    if window < 0:
-        raise DFlashError(f"--draft-window must be 0 (all context) or positive, got {window}")
-    draft.config.context_window = window or None
-
-
 def _load_pair(args):
-    """(model, tokenizer, draft, name): the target (default: the embedded model) and its draft
-    (default: the shipped one), the draft in the target's float dtype (optionally quantized),
-    checked against it."""
-    from .draft import load_draft, quantize_draft
-    from .models import DEFAULT_MODEL, shipped_draft
-    from .target import check_compatible, float_dtype, load_target
+    """(model, tokenizer, draft, name) from --model, --draft, --draft-quant and --draft-window."""
+    from .models import DEFAULT_MODEL
+    from .pair import load
 
-    name = args.model or DEFAULT_MODEL
-    draft_path = args.draft or shipped_draft(name)  # (before the target: no download for a pair that cannot run)
-    model, tokenizer = load_target(name)
-    draft = load_draft(draft_path, dtype=float_dtype(model))
-    check_compatible(draft, model)
-    _set_draft_window(draft, args.draft_window)
-    if args.draft_quant:
-        quantize_draft(draft, args.draft_quant)
-    return model, tokenizer, draft, name
+    return (*load(args.model, args.draft, args.draft_quant, args.draft_window), args.model or DEFAULT_MODEL)
 
 
 def _run_generate(args) -> None:
@@ -358,6 +344,7 @@ def _run_bench(args) -> None:
         import mlx.core as mx
 
         from .engine import DFlashProposer
+        from .pair import set_draft_window
         from .replay import ReplayProposer, geometric_schedule
         from .scale import cycle_costs, null_tokenizer, random_draft, random_target
 
@@ -365,7 +352,7 @@ def _run_bench(args) -> None:
         tokenizer = null_tokenizer(config["vocab_size"])
         draft = random_draft(config, layers=args.draft_layers, block_size=args.block_size or 16,
                              vocab=args.draft_vocab)
-        _set_draft_window(draft, args.draft_window)
+        set_draft_window(draft, args.draft_window)
         if args.draft_quant:
             from .draft import quantize_draft
 
@@ -476,6 +463,26 @@ def _run_quantize(args) -> None:
     print(save_draft(draft, args.out))
 
 
+def _add_dequantize(sub) -> None:
+    p = sub.add_parser("dequantize", help="save a float copy of a quantized DFlash draft (the published format, "
+                                          "for engines that read only float weights)")
+    p.add_argument("draft", help="draft folder")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.set_defaults(func=_run_dequantize)
+
+
+def _run_dequantize(args) -> None:
+    import mlx.core as mx
+
+    from .draft import dequantize_draft, is_quantized, load_draft, save_draft
+
+    draft = load_draft(args.draft)
+    if not is_quantized(draft):
+        raise DFlashError(f"{args.draft} is not quantized")
+    print(save_draft(dequantize_draft(draft, getattr(mx, args.dtype)), args.out))
+
+
 def _add_draft_vocab(sub) -> None:
     p = sub.add_parser("draft-vocab", help="save a copy of a DFlash draft that drafts from the N most frequent "
                                            "response tokens of `mlx-dflash data` sets (a smaller head: faster drafts)")
@@ -528,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(sub)
     _add_serve(sub)
     _add_quantize(sub)
+    _add_dequantize(sub)
     _add_draft_vocab(sub)
     _add_doctor(sub)
     args = parser.parse_args(argv)

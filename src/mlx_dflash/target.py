@@ -14,6 +14,7 @@ rewound to any prefix.
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -361,7 +362,17 @@ def load_target(path_or_repo: str):
     except Exception as exc:  # mlx-lm raises many types; the user needs the message, not the stack
         raise DFlashError(f"cannot load model {path_or_repo!r}: {exc}") from None
     warn_half_precision_on_cpu(model, path_or_repo)
+    _warn_slow_blas_once()
     return model, tokenizer
+
+
+@functools.cache
+def _warn_slow_blas_once() -> None:
+    from .blas import slow_blas_warning
+
+    warning = slow_blas_warning()
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 def warn_half_precision_on_cpu(model: nn.Module, name: str) -> None:

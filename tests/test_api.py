@@ -1,0 +1,64 @@
+"""The Python API as a newcomer uses it: one call loads a pair, chat prompts need no template
+code, and the slow BLAS is named with its fix."""
+
+import json
+
+import pytest
+from tiny_models import MASK_ID, load_tiny, make_tiny_target
+
+import mlx_dflash
+from mlx_dflash import blas, create_random_draft, generate, save_draft
+
+
+@pytest.fixture(scope="module")
+def files(tiny_dir):
+    target = make_tiny_target(tiny_dir / "api-llama", "llama")
+    config = json.loads((target / "config.json").read_text())
+    draft = save_draft(create_random_draft(config, num_layers=1, mask_token_id=MASK_ID), tiny_dir / "api-draft")
+    return str(target), str(draft)
+
+
+def test_load_returns_a_checked_pair(files):
+    target, draft = files
+    model, tokenizer, loaded = mlx_dflash.load(target, draft, draft_quant=8)
+    assert loaded.config.mask_token_id == MASK_ID and mlx_dflash.draft.is_quantized(loaded)
+    with pytest.raises(mlx_dflash.DFlashError, match="no draft ships"):
+        mlx_dflash.load(target)
+    with pytest.raises(mlx_dflash.DFlashError, match="4 or 8 bits"):
+        mlx_dflash.load(target, draft, draft_quant=3)
+
+
+def test_chat_and_messages_use_the_chat_template(files):
+    target, draft = files
+    model, tokenizer, loaded = mlx_dflash.load(target, draft)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    expected = generate(model, tokenizer, ids, loaded, max_tokens=12)
+    assert generate(model, tokenizer, messages, loaded, max_tokens=12).tokens == expected.tokens
+    user_only = tokenizer.apply_chat_template(messages[1:], add_generation_prompt=True)
+    assert (generate(model, tokenizer, "hi", loaded, max_tokens=12, chat=True).tokens
+            == generate(model, tokenizer, user_only, loaded, max_tokens=12).tokens)
+
+
+def test_the_slow_blas_is_named_with_its_one_line_fix(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("MLX_DFLASH_BLAS", raising=False)
+    monkeypatch.setattr(blas, "_cpu_linux", lambda: True)
+    monkeypatch.setattr(blas, "openblas_path", lambda: "/usr/lib/libblas.so.3")
+    assert "mlx_dflash.use_fast_blas()" in blas.slow_blas_warning()
+    monkeypatch.setattr(blas, "openblas_path", lambda: None)
+    assert "apt-get install" in blas.slow_blas_warning()
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libblas.so.3")
+    assert blas.slow_blas_warning() is None
+
+
+def test_prefill_progress_is_reported_chunk_by_chunk(files, monkeypatch):
+    from mlx_dflash import engine
+
+    monkeypatch.setattr(engine, "PREFILL_STEP", 16)
+    target, draft = files
+    model, tokenizer, loaded = mlx_dflash.load(target, draft)
+    seen = []
+    prompt = list(range(3, 60))
+    result = generate(model, tokenizer, prompt, loaded, max_tokens=4, prompt_progress=lambda *a: seen.append(a))
+    assert seen == [(16, 57), (32, 57), (48, 57), (56, 57)] and len(result.tokens) == 4
