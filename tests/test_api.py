@@ -1,21 +1,16 @@
 """The Python API as a newcomer uses it: one call loads a pair, chat prompts need no template
 code, and the slow BLAS is named with its fix."""
 
-import json
-
 import pytest
-from tiny_models import MASK_ID, load_tiny, make_tiny_target
+from tiny_models import MASK_ID, tiny_pair_files
 
 import mlx_dflash
-from mlx_dflash import blas, create_random_draft, generate, save_draft
+from mlx_dflash import blas, generate
 
 
 @pytest.fixture(scope="module")
 def files(tiny_dir):
-    target = make_tiny_target(tiny_dir / "api-llama", "llama")
-    config = json.loads((target / "config.json").read_text())
-    draft = save_draft(create_random_draft(config, num_layers=1, mask_token_id=MASK_ID), tiny_dir / "api-draft")
-    return str(target), str(draft)
+    return tiny_pair_files(tiny_dir / "api", "llama")
 
 
 def test_load_returns_a_checked_pair(files):

@@ -7,12 +7,13 @@ import random
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from tiny_models import MASK_ID, load_tiny, make_tiny_target
+from tiny_models import load_tiny, tiny_pair_files
 
-from mlx_dflash import create_random_draft, generate, save_draft
+from mlx_dflash import generate
 from mlx_dflash.cli import main
 from mlx_dflash.engine import _continue_after
 from mlx_dflash.server import Served, create_app
@@ -22,10 +23,7 @@ CONTEXT = 64  # the tiny target's max_position_embeddings: generation must stop 
 
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
-    path = make_tiny_target(tiny_dir / "bad-input-qwen3", "qwen3", max_position_embeddings=CONTEXT)
-    config = json.loads((path / "config.json").read_text())
-    draft = create_random_draft(config, num_layers=1, block_size=8, mask_token_id=MASK_ID)
-    return str(path), str(save_draft(draft, tiny_dir / "bad-input-draft")), config
+    return tiny_pair_files(tiny_dir / "bad-input", "qwen3", block_size=8, max_position_embeddings=CONTEXT)
 
 
 @pytest.fixture
@@ -42,13 +40,12 @@ def one_error_line(capsys, code: int) -> str:
 
 
 def _draft_with_config(tmp_path, pair, **changes):
-    _, draft, _ = pair
+    """A copy of the pair's draft with ``changes`` in its config.json (``__raw__``: the whole file)."""
+    draft = Path(pair[1])
     bad = tmp_path / "bad-draft"
     bad.mkdir()
-    for f in ("model.safetensors",):
-        (bad / f).write_bytes((__import__("pathlib").Path(draft) / f).read_bytes())
-    config = json.loads((__import__("pathlib").Path(draft) / "config.json").read_text())
-    config.update(changes)
+    (bad / "model.safetensors").write_bytes((draft / "model.safetensors").read_bytes())
+    config = {**json.loads((draft / "config.json").read_text()), **changes}
     (bad / "config.json").write_text(json.dumps(changes.get("__raw__", config)))
     return str(bad)
 
@@ -62,7 +59,7 @@ def _draft_with_config(tmp_path, pair, **changes):
     ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": "1,2"}}, "target_layer_ids"),
 ])
 def test_malformed_draft_configs(pair, tmp_path, capsys, changes, words):
-    model, _, _ = pair
+    model, _ = pair
     draft = _draft_with_config(tmp_path, pair, **changes)
     assert words in one_error_line(capsys, main(["generate", "--model", model, "--draft", draft]))
 
@@ -79,7 +76,7 @@ def test_malformed_draft_configs(pair, tmp_path, capsys, changes, words):
     (["--draft-window", "-1"], "draft window"),
 ])
 def test_bad_generate_arguments(pair, home, capsys, flags, words):
-    model, draft, _ = pair
+    model, draft = pair
     code = main(["generate", "--model", model, "--draft", draft, "--no-chat", *flags])
     assert words in one_error_line(capsys, code)
     assert not home.exists()
@@ -87,7 +84,7 @@ def test_bad_generate_arguments(pair, home, capsys, flags, words):
 
 def test_generation_is_bounded_by_the_context(pair):
     """--max-tokens 10**12 runs to the end of the model's context and stops there."""
-    model_dir, draft_dir, _ = pair
+    model_dir, draft_dir = pair
     model, tokenizer = load_tiny(model_dir)
     tokenizer.eos_token_ids = set()
     from mlx_dflash import load_draft
@@ -97,7 +94,7 @@ def test_generation_is_bounded_by_the_context(pair):
 
 
 def test_a_model_without_a_shipped_draft_fails_before_any_download(pair, home, capsys):
-    model, _, _ = pair
+    model, _ = pair
     assert "no draft ships for" in one_error_line(capsys, main(["generate", "--model", model]))
     assert "no draft ships for 'qwen2.5-coder-1.5b'" in one_error_line(
         capsys, main(["generate", "--model", "qwen2.5-coder-1.5b"]))
@@ -121,7 +118,7 @@ def test_a_closed_pipe_is_not_an_error():
 
 def test_random_argument_combinations_end_cleanly(pair, home, capsys):
     """A fuzz over generate's flags: each run succeeds or says one line, exit code 2."""
-    model, draft, _ = pair
+    model, draft = pair
     choices = {
         "--max-tokens": ["-1", "0", "1", "5", str(10**12)],
         "--block-size": ["-3", "0", "1", "4", "8", "99"],
@@ -156,7 +153,7 @@ def test_random_argument_combinations_end_cleanly(pair, home, capsys):
 
 @pytest.fixture(scope="module")
 def client(pair):
-    model_dir, draft_dir, _ = pair
+    model_dir, draft_dir = pair
     model, tokenizer = load_tiny(model_dir)
     from mlx_dflash import load_draft
 

@@ -3,18 +3,14 @@
 import json
 
 import pytest
-from tiny_models import MASK_ID, make_tiny_target
+from tiny_models import MASK_ID, tiny_pair_files
 
-from mlx_dflash import create_random_draft, save_draft
 from mlx_dflash.cli import main
 
 
 @pytest.fixture(scope="module")
 def files(tiny_dir):
-    target = make_tiny_target(tiny_dir / "cli-qwen3", "qwen3")
-    config = json.loads((target / "config.json").read_text())
-    draft = save_draft(create_random_draft(config, num_layers=1, mask_token_id=MASK_ID), tiny_dir / "cli-draft")
-    return str(target), str(draft)
+    return tiny_pair_files(tiny_dir / "cli", "qwen3")
 
 
 def test_generate_streams_text_and_stats(files, capsys):

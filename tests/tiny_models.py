@@ -109,3 +109,13 @@ def tiny_pair(path: Path, family: str, prompt_text: str, reference_tokens: int, 
     tokenizer.eos_token_ids = set()
     prompt = tokenizer.encode(prompt_text)
     return model, tokenizer, prompt, greedy_reference(model, prompt, reference_tokens)
+
+
+def tiny_pair_files(folder: Path, family: str, block_size: int = 16, **overrides) -> tuple[str, str]:
+    """(model folder, draft folder): a tiny target and a random one-layer draft for it, on disk."""
+    from mlx_dflash import create_random_draft, save_draft
+
+    target = make_tiny_target(folder / "target", family, **overrides)
+    config = json.loads((target / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, block_size=block_size, mask_token_id=MASK_ID)
+    return str(target), str(save_draft(draft, folder / "draft"))
