@@ -16,7 +16,7 @@ def files(tiny_dir):
 def test_load_returns_a_checked_pair(files):
     target, draft = files
     model, tokenizer, loaded = mlx_dflash.load(target, draft, draft_quant=8)
-    assert loaded.config.mask_token_id == MASK_ID and mlx_dflash.draft.is_quantized(loaded)
+    assert loaded.config.mask_token_id == MASK_ID and mlx_dflash.draft_io.is_quantized(loaded)
     with pytest.raises(mlx_dflash.DFlashError, match="no draft ships"):
         mlx_dflash.load(target)
     with pytest.raises(mlx_dflash.DFlashError, match="4 or 8 bits"):
@@ -47,13 +47,11 @@ def test_the_slow_blas_is_named_with_its_one_line_fix(monkeypatch):
     assert blas.slow_blas_warning() is None
 
 
-def test_prefill_progress_is_reported_chunk_by_chunk(files, monkeypatch):
-    from mlx_dflash import engine
-
-    monkeypatch.setattr(engine, "PREFILL_STEP", 16)
+def test_prefill_progress_is_reported_chunk_by_chunk(files):
     target, draft = files
     model, tokenizer, loaded = mlx_dflash.load(target, draft)
     seen = []
     prompt = list(range(3, 60))
-    result = generate(model, tokenizer, prompt, loaded, max_tokens=4, prompt_progress=lambda *a: seen.append(a))
+    result = generate(model, tokenizer, prompt, loaded, max_tokens=4, prompt_progress=lambda *a: seen.append(a),
+                      options=mlx_dflash.EngineOptions(prefill_step=16))
     assert seen == [(16, 57), (32, 57), (48, 57), (56, 57)] and len(result.tokens) == 4

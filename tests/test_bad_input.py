@@ -15,7 +15,7 @@ from tiny_models import load_tiny, tiny_pair_files
 
 from mlx_dflash import generate
 from mlx_dflash.cli import main
-from mlx_dflash.engine import _continue_after
+from mlx_dflash.generate import _continue_after
 from mlx_dflash.server import Served, create_app
 
 CONTEXT = 64  # the tiny target's max_position_embeddings: generation must stop there

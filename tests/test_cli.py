@@ -109,7 +109,7 @@ def test_dequantize_exports_float_weights_in_the_published_format(files, tmp_pat
     import mlx.core as mx
 
     from mlx_dflash import load_draft
-    from mlx_dflash.draft import is_quantized
+    from mlx_dflash.draft_io import is_quantized
 
     target, draft = files
     q8, out = tmp_path / "q8", tmp_path / "float"

@@ -8,10 +8,9 @@ import pytest
 from mlx.utils import tree_flatten
 from tiny_models import MASK_ID, load_tiny, make_tiny_target, tiny_pair
 
-from mlx_dflash import DFlashError, create_random_draft, generate, load_draft, projections, rollback, save_draft
-from mlx_dflash import draft as draft_module
-from mlx_dflash.draft import default_target_layer_ids
-from mlx_dflash.engine import DFlashProposer
+from mlx_dflash import DFlashError, EngineOptions, create_random_draft, draft_cache, generate, load_draft, save_draft
+from mlx_dflash.draft_config import default_target_layer_ids
+from mlx_dflash.proposer import DFlashProposer
 from mlx_dflash.target import Target, check_compatible
 
 PUBLISHED_LAYER_KEYS = [
@@ -179,13 +178,13 @@ def test_context_window_bounds_the_draft_cache_and_keeps_output_exact(tiny_dir):
 
     proposer, windowed = drafted(16, 200)  # 200 > sink + window + slack: the middle is dropped
     assert proposer.cache[0].position == 200 and proposer.cache[0].bound == 2 + 16  # positions stored
-    slack = draft_module.COMPACT_SLACK
+    slack = draft_cache.COMPACT_SLACK
     try:  # the same window by a mask over all 200 positions (nothing dropped) sees the same
-        draft_module.COMPACT_SLACK = 1000
+        draft_cache.COMPACT_SLACK = 1000
         proposer, masked = drafted(16, 200)
         assert proposer.cache[0].bound == 200
     finally:
-        draft_module.COMPACT_SLACK = slack
+        draft_cache.COMPACT_SLACK = slack
     assert mx.allclose(windowed, masked, atol=1e-5).item()
     # 12 context positions: a window of 16 holds them all
     assert mx.allclose(drafted(16, 12)[1], drafted(None, 12)[1], atol=1e-5).item()
@@ -199,7 +198,7 @@ def test_quantized_draft_loads_dequantized_on_the_cpu(target, tmp_path):
     no per-row-class kernel compiles on CUDA)."""
     import mlx.nn as nn
 
-    from mlx_dflash.draft import quantize_draft
+    from mlx_dflash.draft_io import quantize_draft
 
     draft = create_random_draft(target[3], num_layers=1, mask_token_id=MASK_ID)
     quantize_draft(draft, 8)
@@ -229,11 +228,10 @@ def test_half_precision_targets_on_the_cpu_get_a_warning(tiny_dir, capsys):
 
 
 @pytest.mark.parametrize("layout", ["window", "all context", "sliding layer"])
-def test_compiled_draft_pass_equals_eager_one(tiny_dir, layout, monkeypatch):
+def test_compiled_draft_pass_equals_eager_one(tiny_dir, layout):
     """What GPUs run: the draft's decode pass under mx.compile (whole context buffers, lengths
     as arrays) gives the eager pass's logits: after a count still on the device, a settle that
     drops the window's middle, and a buffer grown past 256 positions."""
-    monkeypatch.setattr(rollback, "PAD_READS", True)  # (the GPU's reads)
     model, _ = load_tiny(make_tiny_target(tiny_dir / "compiled-draft-qwen3", "qwen3"))
     config = dict(vars(model.args))
     draft = create_random_draft(config, num_layers=2, block_size=16, mask_token_id=MASK_ID)
@@ -246,9 +244,8 @@ def test_compiled_draft_pass_equals_eager_one(tiny_dir, layout, monkeypatch):
     first = mx.array([5], dtype=mx.uint32)
 
     def passes(compiled: bool) -> list[mx.array]:
-        monkeypatch.setattr(draft_module, "COMPILE_PASSES", compiled)
-        proposer = DFlashProposer(draft)
-        proposer.start(Target(model, draft.config.target_layer_ids))
+        proposer = DFlashProposer(draft)  # (the GPU's reads: whole buffers)
+        proposer.start(Target(model, draft.config.target_layer_ids, EngineOptions(pad_reads=True, compile_draft=compiled)))
         proposer.add_context(features[:, :200])
         out = [proposer.draft_logits(first, 15)]
         proposer.add_context(features[:, 200:216], mx.array(9))  # a count on the device
@@ -285,11 +282,9 @@ def test_a_device_count_gives_all_draft_layers_one_length(target):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_packed_draft_passes_equal_plain_ones(tiny_dir, monkeypatch, compiled):
+def test_packed_draft_passes_equal_plain_ones(tiny_dir, compiled):
     """Passes with q/k/v and gate/up packed and products row by row (the GPU's) give the plain
     pass's logits; new weights (training) are packed afresh, not the old ones kept."""
-    monkeypatch.setattr(draft_module, "COMPILE_PASSES", compiled)
-    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
     model, _ = load_tiny(make_tiny_target(tiny_dir / "packed-draft-qwen3", "qwen3"))
     config = dict(vars(model.args))
     draft = create_random_draft(config, num_layers=2, block_size=16, mask_token_id=MASK_ID)
@@ -298,9 +293,9 @@ def test_packed_draft_passes_equal_plain_ones(tiny_dir, monkeypatch, compiled):
     first = mx.array([5], dtype=mx.uint32)
 
     def logits(packed: bool) -> mx.array:
-        monkeypatch.setattr(draft_module, "PACK_PASSES", packed)
+        options = EngineOptions(compile_draft=compiled, pack_draft=packed, rowwise_products=True)
         proposer = DFlashProposer(draft)
-        proposer.start(Target(model, draft.config.target_layer_ids))
+        proposer.start(Target(model, draft.config.target_layer_ids, options))
         proposer.add_context(features)
         return proposer.draft_logits(first, 15)
 

@@ -8,8 +8,8 @@ import pytest
 from tiny_models import MASK_ID, load_tiny, make_tiny_target, tiny_pair
 
 from mlx_dflash import create_random_draft, generate, load_draft
-from mlx_dflash.draft import save_draft
-from mlx_dflash.engine import DFlashProposer
+from mlx_dflash.draft_io import save_draft
+from mlx_dflash.proposer import DFlashProposer
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.target import Target
 from mlx_dflash.train import frequent_tokens

@@ -7,14 +7,17 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from tiny_models import MASK_ID, MORE_FAMILIES, VOCAB_SIZE, greedy_reference, load_tiny, make_tiny_target, tiny_pair
 
-from mlx_dflash import create_random_draft, generate
-from mlx_dflash import target as target_module
-from mlx_dflash.draft import quantize_draft
+from mlx_dflash import EngineOptions, create_random_draft, generate
+from mlx_dflash.draft_io import quantize_draft
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.replay import ReplayProposer
 from mlx_dflash.target import Target
 
 MAX_TOKENS = 64
+# What GPUs run, forced on the CPU: blocks queued ahead, whole buffers read, blocks and draft
+# passes compiled, projections row by row
+GPU_PATHS = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True, compile_draft=True,
+                          rowwise_products=True)
 # planted mistakes: acceptance lengths 1, 4, 8, 16, 2, 15, ... within one sequence
 SCHEDULE = [0, 3, 7, None, 1, 14, 5]
 
@@ -58,16 +61,15 @@ def test_planted_acceptance_lengths_equal_greedy(family_pair):
 
 
 @pytest.mark.parametrize("length", [1, 40, 2048 + 17])
-def test_prefill_gives_mlx_lms_first_logits_bit_for_bit(tiny_dir, length, monkeypatch):
+def test_prefill_gives_mlx_lms_first_logits_bit_for_bit(tiny_dir, length):
     """The prompt goes through the target in mlx-lm's calls (all but the last token in chunks,
     then the last alone), so the first token's logits are mlx-lm's bit for bit, not the last
     row of a chunk (which differs in its last bits: a bf16 near-tie on a GPU can flip)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_dflash import engine
-    from mlx_dflash.engine import DFlashProposer, _prefill
+    from mlx_dflash.engine import prefill
+    from mlx_dflash.proposer import DFlashProposer
 
-    monkeypatch.setattr(engine, "PREFILL_STEP", 32)  # several chunks, as 2048 would for long prompts
     model, _ = load_tiny(make_tiny_target(tiny_dir / "prefill-llama", "llama"))
     prompt = mx.array([(7 * i + 3) % 250 for i in range(length)])
     cache = make_prompt_cache(model)
@@ -79,7 +81,8 @@ def test_prefill_gives_mlx_lms_first_logits_bit_for_bit(tiny_dir, length, monkey
     proposer = DFlashProposer(draft)
     ours = target.make_cache()
     proposer.start(target)
-    assert mx.array_equal(_prefill(target, proposer, prompt, ours), expected).item()
+    # (chunks of 32: several, as 2048 would be for long prompts)
+    assert mx.array_equal(prefill(target, proposer, prompt, ours, step=32), expected).item()
     # the draft's context of the prompt (all but its last token, which a plain step's context
     # joins) is stored by the prefill, not left to the first draft pass, which is timed as decoding
     assert [c.bound for c in proposer.cache] == [length - 1]
@@ -96,30 +99,23 @@ def test_llama_block_size_10(tiny_dir):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_queued_cycles_equal_greedy(tiny_dir, family, monkeypatch):
+def test_queued_cycles_equal_greedy(tiny_dir, family):
     """What GPUs run, here on the CPU: each block queued before the previous accept count is
     read (rollback, draft context and next first token from the count on the device), keys read
     from whole buffers, blocks through a compiled forward (targets of only KV caches) with packed
     and row-by-row projections, compiled draft passes, a draft context window cut by device
     counts; tokens equal mlx-lm greedy with a random draft, planted mistakes, and the adaptive
     policy's mix of sizes."""
-    from mlx_dflash import draft as draft_module
-    from mlx_dflash import projections, rollback
-
-    monkeypatch.setattr(rollback, "PAD_READS", True)
-    monkeypatch.setattr(target_module, "COMPILE_BLOCKS", True)
-    monkeypatch.setattr(draft_module, "COMPILE_PASSES", True)
-    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / f"queued-{family}", family, "def fib(n):\n    return",
                                                     3 * MAX_TOKENS)
     assert Target(model, [1]).rolls_back_on_device
     draft = create_random_draft(_config(model), num_layers=1, block_size=16, mask_token_id=MASK_ID)
     draft.config.context_window, draft.config.context_sink = 8, 2
-    result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, queue_ahead=True)
+    result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, options=GPU_PATHS)
     assert result.tokens == reference[:MAX_TOKENS]
     proposer = ReplayProposer(prompt + reference, 16, SCHEDULE, VOCAB_SIZE)
     for adaptive in (False, True):
-        result = generate(model, tokenizer, prompt, proposer, max_tokens=3 * MAX_TOKENS - 5, queue_ahead=True,
+        result = generate(model, tokenizer, prompt, proposer, max_tokens=3 * MAX_TOKENS - 5, options=GPU_PATHS,
                           adaptive=adaptive)
         assert result.tokens == reference[: 3 * MAX_TOKENS - 5]
 
@@ -217,12 +213,11 @@ def test_rollback_parity(tiny_dir, kind, count_on_device, keep):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_a_device_count_cuts_all_layers_offsets_once(tiny_dir, compiled, monkeypatch):
+def test_a_device_count_cuts_all_layers_offsets_once(tiny_dir, compiled):
     """Layers move in step: a rollback by a count on the device gives every layer one offset
     array, not an op a layer (each a kernel launch on a GPU), and the caches stay right."""
-    monkeypatch.setattr(target_module, "COMPILE_BLOCKS", compiled)
     model, _ = load_tiny(make_tiny_target(tiny_dir / "shared-cut-qwen3", "qwen3"))
-    target = Target(model, [1])
+    target = Target(model, [1], EngineOptions(compile_blocks=compiled))
     prompt = mx.array([[(7 * i) % 250 for i in range(21)]])
     block = mx.array([[(11 * i + 3) % 250 for i in range(16)]])
     rolled, direct = target.make_cache(), target.make_cache()
@@ -241,24 +236,21 @@ def test_a_device_count_cuts_all_layers_offsets_once(tiny_dir, compiled, monkeyp
 @pytest.mark.parametrize("family, stepwise", [("llama", None), ("qwen3", None), ("qwen3_moe", None),
                                               ("qwen3_5", False), ("qwen3_5", True), ("qwen3_5_moe", True),
                                               ("qwen3_next", False)])
-def test_compiled_blocks_equal_eager_ones(tiny_dir, family, stepwise, monkeypatch):
+def test_compiled_blocks_equal_eager_ones(tiny_dir, family, stepwise):
     """A block through the compiled forward (whole buffers in and out; a hybrid's recurrent
     states and what its mixers keep for a rewind, both forms of the delta rule) gives the eager
     forward's logits, features and caches, after rollbacks by a count on the device and on the
     host, and across a buffer's growth (prompt 250 + blocks: past 256 positions); projections
     packed and row by row, as on GPUs."""
-    from mlx_dflash import projections
-
-    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
     model, _ = load_tiny(make_tiny_target(tiny_dir / f"compiled-{family}", family))
-    target = Target(model, [0, 1])
-    for mixer in target._block_mixers.values():
+    targets = {compiled: Target(model, [0, 1], EngineOptions(compile_blocks=compiled, rowwise_products=True))
+               for compiled in (True, False)}
+    for mixer in targets[True]._block_mixers.values():  # (one mixer a layer, shared by both)
         mixer.stepwise = stepwise
     prompt = mx.array([[(7 * i) % 250 for i in range(250)]])
     blocks = [mx.array([[(11 * i + j) % 250 for i in range(16)]]) for j in range(3)]
     caches = {}
-    for compiled in (True, False):
-        monkeypatch.setattr(target_module, "COMPILE_BLOCKS", compiled)
+    for compiled, target in targets.items():
         cache = target.make_cache()
         attention = [c for c in cache if isinstance(c, KVCache)]
         target(prompt, cache)
@@ -273,7 +265,7 @@ def test_compiled_blocks_equal_eager_ones(tiny_dir, family, stepwise, monkeypatc
                 target.settle(cache, attention[0].bound - 16 + 5)
         caches[compiled] = (outputs, cache)
     (compiled_out, compiled_cache), (eager_out, eager_cache) = caches[True], caches[False]
-    assert target.recorder.block_forward is not None
+    assert targets[True].recorder.block_forwards
     tolerance = reordering_bound(_config(model))
     for ours, reference in zip(compiled_out, eager_out):
         for x, y in zip(ours, reference):
@@ -299,19 +291,22 @@ def reordering_bound(config: dict) -> float:
 def test_cpu_compiles_short_blocks_only(tiny_dir, monkeypatch):
     """By default the CPU compiles blocks up to CPU_COMPILED_BLOCK tokens (longer ones measured
     slower compiled there), GPUs every block; True and False force every block or none."""
+    from mlx_dflash import options as options_module
+
     model, _ = load_tiny(make_tiny_target(tiny_dir / "compiles-llama", "llama"))
-    target = Target(model, [0, 1])
-    cache = target.make_cache()
-    target(mx.array([[(7 * i) % 250 for i in range(40)]]), cache)
-    compiles = lambda n: target._compiles(mx.zeros((1, n), dtype=mx.uint32), cache)  # noqa: E731
-    short, long = target_module.CPU_COMPILED_BLOCK, target_module.CPU_COMPILED_BLOCK + 1
-    monkeypatch.setattr(target_module, "on_gpu", lambda: False)
+
+    def compiles(n: int, **chosen) -> bool:
+        target = Target(model, [0, 1], EngineOptions(**chosen))
+        cache = target.make_cache()
+        target(mx.array([[(7 * i) % 250 for i in range(40)]]), cache)
+        return target._compiles(mx.zeros((1, n), dtype=mx.uint32), cache)
+
+    short, long = options_module.CPU_COMPILED_BLOCK, options_module.CPU_COMPILED_BLOCK + 1
     assert (compiles(1), compiles(short), compiles(long)) == (False, True, False)
-    monkeypatch.setattr(target_module, "on_gpu", lambda: True)
-    assert (compiles(short), compiles(long), compiles(16)) == (True, True, True)
+    monkeypatch.setattr(options_module, "on_gpu", lambda: True)
+    assert EngineOptions().longest_compiled_block(64) == 64
     for forced in (True, False):
-        monkeypatch.setattr(target_module, "COMPILE_BLOCKS", forced)
-        assert (compiles(short), compiles(16)) == (forced, forced)
+        assert (compiles(short, compile_blocks=forced), compiles(16, compile_blocks=forced)) == (forced, forced)
 
 
 @pytest.mark.parametrize("family, bits, rowwise", [("llama", None, True), ("qwen2", None, True),
@@ -363,8 +358,7 @@ def test_row_by_row_by_default_only_on_gpus_and_for_small_models(tiny_dir, monke
     assert runs_row_by_row()
     monkeypatch.setattr(projections, "ROWWISE_MAX_BYTES", size - 1)
     assert not runs_row_by_row()
-    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
-    assert runs_row_by_row()
+    assert projections.block_projections(model, rowwise=True).embeddings
 
 
 def test_the_default_pairs_float32_target_runs_row_by_row_on_gpus(monkeypatch):
@@ -382,8 +376,8 @@ def test_the_default_pairs_float32_target_runs_row_by_row_on_gpus(monkeypatch):
     model.set_dtype(mx.float32)
     assert projections.plain_weight_bytes(model) == 537_919_488
     monkeypatch.setattr(projections, "on_gpu", lambda: True)
-    monkeypatch.setattr(projections, "PACK_PROJECTIONS", False)  # (packing would evaluate the weights)
-    assert projections.block_projections(model).embeddings  # (the tied head: row by row)
+    assert projections.block_projections(model, pack=False).embeddings  # (the tied head: row by row; packing
+    # would evaluate the weights)
 
 
 def test_rowwise_product_is_each_rows_own_product():

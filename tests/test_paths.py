@@ -15,7 +15,8 @@ from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, greedy_reference, load
 
 from mlx_dflash import create_random_draft, generate, save_draft
 from mlx_dflash.cli import main
-from mlx_dflash.engine import decode_cycles, make_proposer
+from mlx_dflash.engine import decode_cycles
+from mlx_dflash.generate import make_proposer
 from mlx_dflash.rollback import DeviceKVCache
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.server import Served, create_app

@@ -3,10 +3,12 @@ short blocks when a verify costs more with each token and the draft is weak."""
 
 import itertools
 
+import mlx.core as mx
+
 import pytest
 from tiny_models import VOCAB_SIZE, tiny_pair
 
-from mlx_dflash import generate
+from mlx_dflash import EngineOptions, generate
 from mlx_dflash import policy as policy_module
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import PROBE_MAX, PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes
@@ -163,8 +165,7 @@ def test_weak_draft_with_growing_verify_cost_picks_short_blocks():
 
 
 def test_slot_statistics_use_short_blocks_too(monkeypatch):
-    monkeypatch.setattr(policy_module, "SLOT_DECAY", 1.0)  # what is counted, without the fading
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, slot_decay=1.0)  # (what is counted, without the fading)
     for _ in range(10):
         policy.record(4, 4, 0.1)  # all 3 drafted slots accepted: slot 4 never checked
         policy.record(4, 2, 0.1)  # slot 1 accepted, slot 2 rejected
@@ -260,14 +261,13 @@ def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):
 def test_short_blocks_check_the_slot_after_them(tiny_dir, monkeypatch):
     """A draft proposes one token past a short block; when the block is wholly accepted, that
     token is checked against the block's bonus token (the slot after the block)."""
-    monkeypatch.setattr(policy_module, "SLOT_DECAY", 1.0)  # what is counted, without the fading
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, slot_decay=1.0)  # (what is counted, without the fading)
     policy.record(4, 4, 1.0)
     policy.start_forecast([7], first_slot=4)
     policy.observe([7])
     assert policy.slot_checked[1:6] == [1, 1, 1, 1, 0] and policy.slot_accepted[4] == 1 and policy.guess is None
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-peek", "qwen3", "peek", 40)
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, slot_decay=1.0)
     policy.seconds = {1: 1.0, 2: 100.0, 4: 1.0, 8: 100.0, 16: 100.0}  # 4-token blocks win
     proposer = ReplayProposer(prompt + reference, 16, [None], VOCAB_SIZE)  # a perfect draft
     result = generate(model, tokenizer, prompt, proposer, max_tokens=33, adaptive=policy)
@@ -275,7 +275,7 @@ def test_short_blocks_check_the_slot_after_them(tiny_dir, monkeypatch):
     assert policy.slot_checked[4] == policy.slot_accepted[4] == 1 + 4  # each whole 4-block: one check past it
     assert policy.slot_checked[5] == 1
     # blocks of up to 8 from a 16-token draft: guesses stay within the policy's 8 slots
-    policy = BlockPolicy(8)
+    policy = BlockPolicy(8, slot_decay=1.0)
     policy.seconds = {1: 1.0, 2: 100.0, 4: 1.0, 8: 100.0}
     result = generate(model, tokenizer, prompt, proposer, max_tokens=33, block_size=8, adaptive=policy)
     assert result.tokens == reference[:33] and policy.slot_checked[4] > 0
@@ -284,9 +284,8 @@ def test_short_blocks_check_the_slot_after_them(tiny_dir, monkeypatch):
 def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir, monkeypatch):
     """The forecast drafted beside a plain step records the acceptance a block would have had
     (the replayed guesses are right for 5 slots, then wrong); the output stays mlx-lm's."""
-    monkeypatch.setattr(policy_module, "SLOT_DECAY", 1.0)  # what is counted, without the fading
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-forecast", "qwen3", "forecast", 40)
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, slot_decay=1.0)  # (what is counted, without the fading)
     policy.seconds = {size: 1.0 if size == 1 else 100.0 for size in policy.sizes}  # plain decoding wins
     policy.probe_every = PROBE_MAX  # only the text's first forecast
     policy.cycles = 1  # as after a text where plain decoding won (generate starts the text)
@@ -296,7 +295,7 @@ def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir, m
     assert result.acceptance_lengths == [1] * 29  # plain steps only
     assert policy.slot_checked[1:8] == [1] * 6 + [0] and policy.slot_accepted[1:7] == [1] * 5 + [0]
     # blocks of up to 4 from a 16-token draft: the forecast guesses the policy's 3 slots only
-    policy = BlockPolicy(4)
+    policy = BlockPolicy(4, slot_decay=1.0)
     policy.seconds, policy.probe_every, policy.cycles = {1: 1.0, 2: 100.0, 4: 100.0}, PROBE_MAX, 1
     proposer = ReplayProposer(prompt + reference, 16, [None], VOCAB_SIZE)
     result = generate(model, tokenizer, prompt, proposer, max_tokens=30, block_size=4, adaptive=policy)
@@ -310,22 +309,25 @@ def test_queued_cycles_charge_each_size_its_own_launch(tiny_dir, monkeypatch):
     while the target runs: n units for n tokens, so a size's cost is exactly its size."""
     import types
 
-    from mlx_dflash import engine, rollback
+    from mlx_dflash import engine
     from mlx_dflash.target import Target
 
     clock = [0.0]
-    monkeypatch.setattr(engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    forward = Target.__call__
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(engine, "time", fake_time)
+    monkeypatch.setattr(policy_module, "time", fake_time)
 
-    def counted(self, tokens, cache, prompt=False):
-        clock[0] += tokens.shape[1]
-        return forward(self, tokens, cache, prompt)
-    monkeypatch.setattr(Target, "__call__", counted)
-    monkeypatch.setattr(rollback, "PAD_READS", True)
+    class CountedTarget(Target):
+        def __call__(self, tokens, cache, prompt=False):
+            clock[0] += tokens.shape[1]
+            return super().__call__(tokens, cache, prompt)
+
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-queued", "qwen3", "queued", 80)
     policy = BlockPolicy(16)
+    policy.start_text()
     proposer = ReplayProposer(prompt + reference, 16, [0, 0, 3, None], VOCAB_SIZE)
-    result = generate(model, tokenizer, prompt, proposer, max_tokens=80, adaptive=policy, queue_ahead=True)
-    assert result.tokens == reference[:80]
+    target = CountedTarget(model, proposer.layer_ids, EngineOptions(queue_ahead=True, pad_reads=True))
+    cycles = engine.decode_cycles(target, proposer, mx.array(prompt), 80, 16, policy=policy)
+    assert [t for cycle in cycles for t in cycle.tokens] == reference[:80]
     assert {1, 16} <= set(policy.seconds)  # plain steps and blocks, mixed
     assert all(seconds == size for size, seconds in policy.seconds.items()), policy.seconds

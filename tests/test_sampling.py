@@ -12,7 +12,9 @@ from tiny_models import load_tiny, make_tiny_target
 
 import mlx_dflash.sampling as sampling_module
 from mlx_dflash import create_random_draft, generate
-from mlx_dflash.engine import DFlashProposer, decode_cycles
+from mlx_dflash.engine import decode_cycles
+from mlx_dflash.options import EngineOptions
+from mlx_dflash.proposer import DFlashProposer
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.target import Target
 
@@ -60,8 +62,8 @@ def exact_marginals(model, prompt, params):
     return p2, p3
 
 
-def sampled_marginals(model, draft, prompt, params):
-    target = Target(model, draft.config.target_layer_ids)
+def sampled_marginals(model, draft, prompt, params, options=EngineOptions()):
+    target = Target(model, draft.config.target_layer_ids, options)
     proposer = DFlashProposer(draft)
     mx.random.seed(1234)
     counts = np.zeros((2, VOCAB))
@@ -87,18 +89,14 @@ def test_emitted_distribution_is_the_targets(setup, params):
         assert stat < chi_square_bound(dof), (stat, dof)
 
 
-def test_emitted_distribution_with_compiled_blocks(setup, monkeypatch):
+def test_emitted_distribution_with_compiled_blocks(setup):
     """What GPUs run for sampling: blocks through the compiled forward, counts read on the host."""
-    from mlx_dflash import projections
-    from mlx_dflash import target as target_module
-
-    monkeypatch.setattr(target_module, "COMPILE_BLOCKS", True)
-    monkeypatch.setattr(projections, "ROWWISE_PRODUCTS", True)
+    options = EngineOptions(compile_blocks=True, rowwise_products=True)
     model, _, draft, prompt = setup
     params = SamplingParams(temp=1.0)
     p2, p3 = exact_marginals(model, prompt, params)
-    counts = sampled_marginals(model, draft, prompt, params)
-    assert Target(model, draft.config.target_layer_ids).recorder.block_forward is not None  # (it ran)
+    counts = sampled_marginals(model, draft, prompt, params, options)
+    assert Target(model, draft.config.target_layer_ids).recorder.block_forwards  # (it ran)
     for observed, expected in ((counts[0], p2), (counts[1], p3)):
         stat, dof = chi_square(observed, expected)
         assert stat < chi_square_bound(dof), (stat, dof)

@@ -21,8 +21,10 @@ os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 from .blas import use_fast_blas
-from .draft import DFlashDraft, create_random_draft, load_draft, save_draft
-from .engine import GenerationResult, StreamResponse, generate, stream_generate
+from .draft import DFlashDraft, create_random_draft
+from .draft_io import load_draft, save_draft
+from .generate import GenerationResult, StreamResponse, generate, stream_generate
+from .options import EngineOptions
 from .errors import DFlashError
 from .pair import load
 from .sampling import SamplingParams
@@ -30,7 +32,7 @@ from .target import Target, load_target
 
 __version__ = "0.1.0"
 __all__ = [
-    "DFlashDraft", "DFlashError", "GenerationResult", "SamplingParams", "StreamResponse", "Target",
+    "DFlashDraft", "DFlashError", "EngineOptions", "GenerationResult", "SamplingParams", "StreamResponse", "Target",
     "create_random_draft", "generate", "load", "load_draft", "load_target", "save_draft", "stream_generate",
     "use_fast_blas",
 ]

@@ -84,7 +84,7 @@ def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=Non
 
 def run_dflash(model, tokenizer, prompt: list[int], length: int, proposer, block_size: Optional[int],
                sampling: Optional[SamplingParams] = None, adaptive: Union[bool, BlockPolicy] = False) -> tuple:
-    from .engine import stream_generate
+    from .generate import stream_generate
 
     stream = stream_generate(model, tokenizer, prompt, proposer, max_tokens=length, block_size=block_size,
                              sampling=sampling, adaptive=adaptive)
@@ -220,7 +220,7 @@ def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer,
     block size b, running the real draft each cycle, covers every cycle shape of that size.
     """
     from .draft import DFlashDraft
-    from .engine import DFlashProposer
+    from .proposer import DFlashProposer
     from .policy import candidate_sizes
     from .replay import ReplayProposer
     from .target import text_args

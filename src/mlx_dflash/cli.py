@@ -168,7 +168,7 @@ def _load_pair(args):
 
 
 def _run_generate(args) -> None:
-    from .engine import generate_text_stats, stream_generate
+    from .generate import generate_text_stats, stream_generate
 
     if args.max_tokens < 1:
         raise DFlashError(f"--max-tokens must be at least 1, got {args.max_tokens}")
@@ -343,7 +343,7 @@ def _run_bench(args) -> None:
     if args.scale:
         import mlx.core as mx
 
-        from .engine import DFlashProposer
+        from .proposer import DFlashProposer
         from .pair import set_draft_window
         from .replay import ReplayProposer, geometric_schedule
         from .scale import cycle_costs, null_tokenizer, random_draft, random_target
@@ -354,7 +354,7 @@ def _run_bench(args) -> None:
                              vocab=args.draft_vocab)
         set_draft_window(draft, args.draft_window)
         if args.draft_quant:
-            from .draft import quantize_draft
+            from .draft_io import quantize_draft
 
             quantize_draft(draft, args.draft_quant)
         bs = draft.block_size
@@ -456,7 +456,7 @@ def _add_quantize(sub) -> None:
 
 
 def _run_quantize(args) -> None:
-    from .draft import load_draft, quantize_draft, save_draft
+    from .draft_io import load_draft, quantize_draft, save_draft
 
     draft = load_draft(args.draft)
     quantize_draft(draft, args.bits, args.group_size)
@@ -475,7 +475,7 @@ def _add_dequantize(sub) -> None:
 def _run_dequantize(args) -> None:
     import mlx.core as mx
 
-    from .draft import dequantize_draft, is_quantized, load_draft, save_draft
+    from .draft_io import dequantize_draft, is_quantized, load_draft, save_draft
 
     draft = load_draft(args.draft)
     if not is_quantized(draft):
@@ -494,7 +494,7 @@ def _add_draft_vocab(sub) -> None:
 
 
 def _run_draft_vocab(args) -> None:
-    from .draft import load_draft, save_draft
+    from .draft_io import load_draft, save_draft
     from .train import frequent_tokens, read_training_records
 
     if args.size < 1:

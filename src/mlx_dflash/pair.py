@@ -6,7 +6,8 @@ from typing import Any, Optional
 
 import mlx.nn as nn
 
-from .draft import DFlashDraft, load_draft, quantize_draft
+from .draft import DFlashDraft
+from .draft_io import load_draft, quantize_draft
 from .errors import DFlashError
 from .models import DEFAULT_MODEL, shipped_draft
 from .target import check_compatible, float_dtype, load_target

@@ -35,6 +35,9 @@ costs one draft pass per text instead of a verified block (~3 plain steps on an 
 
 from __future__ import annotations
 
+import time
+from typing import Optional
+
 PROBE_START = 16  # cycles between probes, doubled after each losing probe
 PROBE_MAX = 256
 WARMUP_CYCLES = 2  # full blocks first (the first is not timed), to learn the text's acceptance
@@ -61,7 +64,8 @@ def candidate_sizes(max_block: int) -> list[int]:
 
 
 class BlockPolicy:
-    def __init__(self, max_block: int):
+    def __init__(self, max_block: int, slot_decay: float = SLOT_DECAY):
+        self.slot_decay = slot_decay  # how fast acceptance statistics fade (1.0: never)
         self.max_block = max_block
         self.sizes = candidate_sizes(max_block)
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
@@ -200,6 +204,19 @@ class BlockPolicy:
             self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
             self.forecast_is_probe = False
 
+    def record_cycle(self, block: int, committed: list[int], seconds: float, guess: Optional[list[int]]) -> None:
+        """One finished cycle of ``block`` tokens that committed ``committed`` (its accepted
+        drafts and the bonus token) in ``seconds``; ``guess``: what its draft proposed past
+        the verified tokens (a forecast beside a plain step, or one token past a short block),
+        checked against the tokens still to come."""
+        forecast = guess is not None and block == 1  # (its time holds a draft pass)
+        self.record(block, len(committed), seconds, forecast=forecast)
+        if guess is not None and len(committed) == block:  # the guesses start after this cycle's last token
+            self.start_forecast(guess, first_slot=block)
+            self.observe(committed[-1:])
+        else:
+            self.observe(committed)
+
     def record(self, block: int, acceptance: int, seconds: float, forecast: bool = False) -> None:
         """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall
         time; ``forecast``: it also drafted a forecast, so its time is not its size's."""
@@ -207,8 +224,8 @@ class BlockPolicy:
         if self.history is not None:
             self.history.append((block, acceptance, seconds, forecast))
         accepted = acceptance - 1
-        self.slot_checked = [n * SLOT_DECAY for n in self.slot_checked]
-        self.slot_accepted = [n * SLOT_DECAY for n in self.slot_accepted]
+        self.slot_checked = [n * self.slot_decay for n in self.slot_checked]
+        self.slot_accepted = [n * self.slot_decay for n in self.slot_accepted]
         for k in range(1, accepted + 1):
             self.slot_checked[k] += 1
             self.slot_accepted[k] += 1
@@ -243,3 +260,27 @@ class BlockPolicy:
             self.probing = None
             won = self.best(self.sizes) == 1
             self.retime_every = PROBE_START if won else min(2 * self.retime_every, PROBE_MAX)
+
+
+class CycleClock:
+    """A cycle's cost for the policy: the window from the previous host sync to its own, with
+    the launches in it swapped for the cycle's own launch. A window holds the wait for this
+    cycle and a launch: this cycle's, or, when the next cycle is queued ahead, the next one's
+    (on a GPU most of the window: the host is the bottleneck, so a plain step followed by a
+    block would be charged the block's launch, and the block a plain step's). A launch is
+    graph building and, on the CPU, most of the run (there ``mx.async_eval`` of a large graph
+    returns only near its end)."""
+
+    def __init__(self) -> None:
+        self.synced = time.perf_counter()
+        self.launched = 0.0  # host seconds of the launches since the latest sync
+
+    def add_launch(self, seconds: float) -> None:
+        self.launched += seconds
+
+    def cycle_seconds(self, own_launch: float) -> float:
+        """The cycle just read (its launch took ``own_launch``); starts the next window."""
+        now = time.perf_counter()
+        seconds = now - self.synced - self.launched + own_launch
+        self.synced, self.launched = now, 0.0
+        return seconds

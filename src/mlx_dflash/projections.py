@@ -10,7 +10,7 @@ block forward (``Target``'s compiled blocks), per model instance, no class patch
   Gated DeltaNet mixer its four (Qwen3.5) or two (Qwen3-Next) input projections. Each group's
   matrices are packed into one (the members' weights become views of it: no extra memory),
   multiplied once and the product split: three matmuls a layer fewer (Qwen3.5: four).
-- **Row by row** (``ROWWISE_PRODUCTS``; by default on GPUs, for models up to ``ROWWISE_MAX_BYTES``):
+- **Row by row** (``EngineOptions.rowwise_products``; by default on GPUs, for models up to ``ROWWISE_MAX_BYTES``):
   ``x @ W.T`` as ``W @ x[..., None]``, a batch of matrix-vector products with the weight
   broadcast, which MLX runs as its own gemv kernel (one graph node, no cuBLAS), the kernel of
   mlx-lm's one-token step: each row's product is then the step's bit for bit
@@ -38,8 +38,6 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
           ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # a Qwen3.5 Gated DeltaNet's inputs
           ("in_proj_qkvz", "in_proj_ba"))  # Qwen3-Next's
 WEIGHTS = ("weight", "scales", "biases", "bias")  # what a (quantized) linear layer may hold
-PACK_PROJECTIONS = True  # in compiled blocks (False: separate matmuls there too, to measure the difference)
-ROWWISE_PRODUCTS: Optional[bool] = None  # plain (unquantized) projections row by row; None: see below
 # Row by row, a block reads each weight once per row where it does not stay in the GPU's cache
 # (H200, a 248,320 x 4,096 bf16 head, 16 rows: 7.4 ms, against 0.75 ms as one matmul;
 # scripts/head_costs.py). For a model of at most this many bytes of plain weights that is device
@@ -188,10 +186,9 @@ def plain_weight_bytes(model: nn.Module) -> int:
     return sum(m.weight.nbytes for m in model.modules() if type(m) in (nn.Linear, nn.Embedding))
 
 
-def block_projections(model: nn.Module) -> BlockProjections:
-    """``model``'s projections for compiled blocks, as ``PACK_PROJECTIONS`` and
-    ``ROWWISE_PRODUCTS`` say; the model computes as before until ``installed()``."""
-    rowwise = ROWWISE_PRODUCTS
+def block_projections(model: nn.Module, pack: bool = True, rowwise: Optional[bool] = None) -> BlockProjections:
+    """``model``'s projections for compiled blocks: ``pack``ed, and ``rowwise`` (None: on GPUs,
+    for models of up to ROWWISE_MAX_BYTES); the model computes as before until ``installed()``."""
     if rowwise is None:
         rowwise = on_gpu() and plain_weight_bytes(model) <= ROWWISE_MAX_BYTES
-    return BlockProjections(model, pack=PACK_PROJECTIONS, rowwise=rowwise)
+    return BlockProjections(model, pack=pack, rowwise=rowwise)

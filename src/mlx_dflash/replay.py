@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
-from .engine import DFlashProposer
+from .proposer import DFlashProposer
 from .target import Target
 
 # cycle index -> how many drafted tokens are right before the first wrong one (None: all right)

@@ -32,7 +32,6 @@ from typing import Any, Callable, Optional, Union
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, create_attention_mask
 
-from .device import on_gpu
 
 TRIMMABLE = (KVCache, QuantizedKVCache)
 
@@ -45,13 +44,10 @@ def unsupported_cache(cache: Any) -> bool:
     return not isinstance(cache, (*TRIMMABLE, RotatingKVCache, ArraysCache))
 
 
-# On GPUs, blocks of up to this many tokens (verifies) read whole key buffers, masked, instead
-# of the keys in use: MLX's CUDA backend builds kernels per shape, and a cache whose length
-# changed every cycle met a new shape each verify (H200: 67 ms of host time per 30-layer pass at
-# new lengths, 1.5 ms at a fixed one; scripts/attention_shapes.py). On the CPU the masked keys'
-# exponentials cost more than that saves. Prompts keep mlx-lm's exact read.
+# With ``pad_reads`` (GPUs), blocks of up to this many tokens (verifies) read whole key buffers,
+# masked, instead of the keys in use: MLX's CUDA backend builds kernels per shape, and a length
+# that changes every cycle is a new shape every verify. Prompts keep mlx-lm's exact read.
 PADDED_BLOCK = 64
-PAD_READS: Optional[bool] = None  # None: on GPUs (tests set it to check both reads on the CPU)
 
 
 def visible_keys(n_keys: int, offset: mx.array, n_queries: int) -> mx.array:
@@ -93,9 +89,9 @@ def padded(length: int) -> int:
     return -(-length // KVCache.step) * KVCache.step
 
 
-def read_length(length: int) -> int:
-    """How many key positions a block reads from a buffer holding ``length`` in use."""
-    pad = on_gpu() if PAD_READS is None else PAD_READS
+def read_length(length: int, pad: bool) -> int:
+    """How many key positions a block reads from a buffer holding ``length`` in use: all of
+    it, or with ``pad`` the whole buffer (``EngineOptions.pad_reads``)."""
     return padded(length) if pad else length
 
 
@@ -126,14 +122,15 @@ class DeviceKVCache(KVCache):
     with its masks.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pad_reads: bool = False) -> None:
         super().__init__()
         self.offset: Union[int, mx.array] = 0
         self.bound = 0
+        self.pad_reads = pad_reads  # blocks read the whole buffer
 
     def _fetched(self, n: int) -> int:
         """How many key positions a call of ``n`` tokens reads."""
-        return read_length(self.bound + n) if 1 < n <= PADDED_BLOCK else self.bound + n
+        return read_length(self.bound + n, self.pad_reads) if 1 < n <= PADDED_BLOCK else self.bound + n
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.keys, self.values = reserve(self.keys, self.values, self.bound, keys, values)

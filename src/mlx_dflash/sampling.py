@@ -118,9 +118,27 @@ def draft_tokens(params: SamplingParams, logits: mx.array, history: mx.array, fi
     return mx.concatenate(drafted), mx.concatenate(qs, axis=0)
 
 
-def verify(params: SamplingParams, logits: mx.array, history: mx.array, block: mx.array,
+def sample_drafts(params: SamplingParams, proposer, first: mx.array, n: int, history: Optional[mx.array],
+                  vocab_size: int) -> tuple[mx.array, Optional[mx.array]]:
+    """``n`` drafted tokens after ``first`` and their distributions q [n, V] (None: drafted
+    greedily). A proposer without distributions (a replay) is certain: its q is one-hot."""
+    if n == 0:
+        return first[:0], None
+    if hasattr(proposer, "draft_logits"):
+        return draft_tokens(params, proposer.draft_logits(first, n), history, first)
+    drafted = proposer.propose(first, n).astype(mx.uint32)
+    if params.greedy or params.accept == "match":
+        return drafted, None
+    return drafted, (mx.arange(vocab_size)[None] == drafted[:, None]).astype(mx.float32)
+
+
+def verify(params: Optional[SamplingParams], logits: mx.array, history: Optional[mx.array], block: mx.array,
            drafted: mx.array, q: Optional[mx.array]) -> tuple[mx.array, mx.array]:
-    """(tokens [bs], a): the first a + 1 tokens are committed (a accepted drafts + bonus)."""
+    """(tokens [bs], a): the first a + 1 tokens are committed (a accepted drafts + bonus).
+    ``params=None`` is plain greedy: the target's own choice after each slot."""
+    if params is None:
+        choice = mx.argmax(logits, axis=-1)
+        return choice, matching_prefix(drafted, choice)
     processed = params.process(logits, history, block)
     if params.greedy:
         choice = mx.argmax(processed, axis=-1).astype(mx.uint32)

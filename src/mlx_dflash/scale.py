@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .draft import DFlashDraft, create_random_draft
-from .engine import DFlashProposer
+from .proposer import DFlashProposer
 from .errors import DFlashError
 from .target import Target
 

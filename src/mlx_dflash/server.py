@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import stream_generate
+from .generate import stream_generate
 from .errors import DFlashError
 from .policy import BlockPolicy
 from .sampling import MAX_SEED, SamplingParams

@@ -26,9 +26,9 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .cpu_kernels import block_kernels
 from .delta_rule import BlockDeltaMixer
-from .device import on_gpu
 from .draft import DFlashDraft
 from .errors import DFlashError
+from .options import DEFAULT_OPTIONS, EngineOptions
 from .projections import block_projections
 from .rollback import (PADDED_BLOCK, BufferView, DeviceKVCache, cache_arrays, device_count, is_recurrent,
                        recurrent_view, trim_attention_cache, unsupported_cache)
@@ -43,33 +43,15 @@ SUPPORTED_FAMILIES = {
 }
 SCALED_EMBEDDINGS = {"gemma3_text"}  # the model multiplies embeddings by sqrt(hidden_size)
 
-# A block (2..PADDED_BLOCK tokens) through a target of only KV and recurrent caches runs under mx.compile:
-# the host replays a traced graph instead of running the model's Python, and elementwise ops
-# fuse. On a GPU a small model is bound by that host work (H200, SmolLM2-135M, 16 tokens at 300
-# positions: graph 0.67 vs 1.47 ms, launch 5.94 vs 6.48 ms; scripts/launch_costs.py). On a
-# 2-core CPU the fused elementwise work pays for short blocks only: a compiled block reads its
-# cache's whole 256-position buffer, whose masked keys' exponentials (scalar there) grow with
-# the block (SmolLM2-135M float32, HumanEval x4, 256 tokens, alternating in one process, two
-# rounds: 4-token blocks 1.64x / 1.68x of mlx-lm compiled against 1.47x / 1.54x eager, 8-token
-# 1.46x / 1.62x against 1.42x / 1.44x, 16-token 1.09x / 1.09x against 1.20x / 1.20x;
-# `scripts/compare_drafts.py --block-sizes 4 8 16 --eager-blocks`, BENCHMARKS.md, seventeenth
-# session; with OpenBLAS's AVX-512 kernels, eighteenth session: 4 and 8 tokens still ahead
-# compiled, 16 not; with cpu_kernels' exponential, twentieth session, 16-token blocks compiled
-# 1.64x / 1.60x against 1.57x / 1.59x eager, adaptive 1.68x / 1.72x against 1.69x / 1.84x: not
-# shown faster). None: every block on GPUs, blocks up to CPU_COMPILED_BLOCK tokens on the CPU; True:
-# every block (tests force the GPU's path on the CPU); False: none, to measure the difference.
-COMPILE_BLOCKS: Optional[bool] = None
-CPU_COMPILED_BLOCK = 8
-
-
 class _Recorder:
     """Where tapped layers put their outputs; only records while ``active``. Shared by the
-    Targets of one model with the same taps, and so is their compiled block forward."""
+    Targets of one model with the same taps, and so are their compiled block forwards (one per
+    set of projection options)."""
 
     def __init__(self) -> None:
         self.active = False
         self.outputs: dict[int, mx.array] = {}
-        self.block_forward: Optional[Callable] = None
+        self.block_forwards: dict[tuple, Callable] = {}
 
 
 class TappedLayer(nn.Module):
@@ -107,12 +89,13 @@ def text_args(model: nn.Module):
 class Target:
     """An mlx-lm model with taps on ``layer_ids``; ``__call__`` returns (logits, features)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
+    def __init__(self, model: nn.Module, layer_ids: list[int], options: EngineOptions = DEFAULT_OPTIONS):
         family = _model_type(model)
         if family not in SUPPORTED_FAMILIES:
             supported = ", ".join(sorted(SUPPORTED_FAMILIES))
             raise DFlashError(f"target family {family!r} is not supported yet (supported: {supported})")
         self.model = model
+        self.options = options.resolved()
         self.text_model = getattr(model, "language_model", model)  # VLM wrappers keep the LM inside
         self.family = family
         self.layer_ids = list(layer_ids)
@@ -214,7 +197,7 @@ class Target:
     def make_cache(self) -> list[Any]:
         caches = make_prompt_cache(self.model)
         if self.rolls_back_on_device:
-            caches = [DeviceKVCache() if type(c) is KVCache else c for c in caches]
+            caches = [DeviceKVCache(self.options.pad_reads) if type(c) is KVCache else c for c in caches]
         return caches
 
     def __call__(self, tokens: mx.array, cache: list[Any], prompt: bool = False) -> tuple[mx.array, mx.array]:
@@ -227,11 +210,7 @@ class Target:
         return self._forward(tokens, cache, block=not prompt and tokens.shape[1] > 1)
 
     def _compiles(self, tokens: mx.array, cache: list[Any]) -> bool:
-        if COMPILE_BLOCKS is None:
-            longest = PADDED_BLOCK if on_gpu() else CPU_COMPILED_BLOCK
-        else:
-            longest = PADDED_BLOCK if COMPILE_BLOCKS else 0
-        return (1 < tokens.shape[1] <= longest
+        return (1 < tokens.shape[1] <= self.options.longest_compiled_block(PADDED_BLOCK)
                 and all(c.keys is not None if isinstance(c, DeviceKVCache) else is_recurrent(c) and not c.empty()
                         for c in cache))
 
@@ -244,8 +223,9 @@ class Target:
         24 Gated DeltaNet layers' small ops, 265 matmuls unpacked; BENCHMARKS.md, twenty-fourth
         session)."""
         mixers = self._block_mixers
-        if self.recorder.block_forward is None:
-            projections = block_projections(self.model)  # (packed, row by row: projections.py)
+        key = (self.options.pack_projections, self.options.rowwise_products)
+        if key not in self.recorder.block_forwards:
+            projections = block_projections(self.model, *key)  # (packed, row by row: projections.py)
 
             def forward(tokens: mx.array, offset: mx.array, *arrays: mx.array):
                 views = [recurrent_view(*arrays[j : j + 2]) if i in mixers else BufferView(*arrays[j : j + 2], offset)
@@ -254,13 +234,13 @@ class Target:
                     logits, features = self._forward(tokens, views, block=True)
                 return (logits, features, *(x for view in views for x in cache_arrays(view)),
                         *(x for mixer in mixers.values() for x in mixer.block_arrays()))
-            self.recorder.block_forward = mx.compile(forward)
+            self.recorder.block_forwards[key] = mx.compile(forward)
         n = tokens.shape[1]
         attention = [c for c in cache if isinstance(c, DeviceKVCache)]
         for layer_cache in attention:
             layer_cache.make_room(n)
         start = attention[0].offset if attention else 0  # (every layer is at the same position)
-        logits, features, *arrays = self.recorder.block_forward(
+        logits, features, *arrays = self.recorder.block_forwards[key](
             tokens, device_count(start), *(x for layer_cache in cache for x in cache_arrays(layer_cache)))
         layer_arrays, kept = arrays[: 2 * len(cache)], iter(arrays[2 * len(cache) :])
         per_mixer = (len(arrays) - 2 * len(cache)) // max(len(mixers), 1)

@@ -30,7 +30,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
 from .data import read_sequences
-from .draft import DFlashDraft, create_random_draft, dequantize_draft, is_quantized, load_draft, save_draft
+from .draft import DFlashDraft, create_random_draft
+from .draft_io import dequantize_draft, is_quantized, load_draft, save_draft
 from .errors import DFlashError
 from .target import Target, check_compatible, float_dtype, text_args
 
@@ -170,7 +171,7 @@ def block_loss(draft: DFlashDraft, target: Target, head: Callable[[mx.array], mx
 
 def held_out_acceptance(target_model, tokenizer, draft: DFlashDraft, records: list[dict], max_tokens: int) -> float:
     """Mean acceptance length of greedy DFlash on held-out prompts."""
-    from .engine import generate
+    from .generate import generate
 
     lengths = []
     for record in records:

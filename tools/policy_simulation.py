@@ -1,7 +1,7 @@
 """The adaptive policy on a simulated pair: how many cycles it runs plain, as blocks, with forecasts.
 
-    python scripts/policy_simulation.py [--cycles 500] [--block-cost 2.7] [--switch-cost 1.0]
-        [--runs RESULTS_JSON ...]
+    python tools/policy_simulation.py [--cycles 500] [--block-cost 2.7] [--switch-cost 1.0]
+        [--slot-decay 0.98] [--runs RESULTS_JSON ...]
 
 Each cycle the draft's true acceptance run is drawn at random (slot 1 accepted with probability
 P1, each later slot with PK, as long as the ones before were), or, with ``--runs``, taken in turn
@@ -10,7 +10,7 @@ texts, where a hit at slot 1 makes hits further on likelier); a plain step costs
 after a block ``--switch-cost``: on a GPU that step takes the masked attention path; in a text's
 first cycles ``--early-plain-cost``), a block
 ``--block-cost`` (an H200 with SmolLM2-135M: a verified block ~2.7 plain steps whatever its size;
-this CPU: 1.43 1.8 2.27 3.13 for 2, 4, 8, 16), a forecast 0.6
+a 2-core CPU: 1.43 1.8 2.27 3.13 for 2, 4, 8, 16), a forecast 0.6
 more. Prints the cycles of each kind and the tokens per unit of cost (plain decoding: 1.0). If
 the policy picks blocks here where plain decoding wins, its rule is wrong; if it does not here
 but does in a real generation, what it measures there is.
@@ -22,10 +22,9 @@ import json
 import random
 from typing import Iterator
 
-from mlx_dflash import policy as policy_module
-from mlx_dflash.policy import BlockPolicy
+from mlx_dflash.policy import SLOT_DECAY, BlockPolicy
 
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cycles", type=int, default=500)
 parser.add_argument("--block-cost", type=float, nargs="+", default=[2.7],
                     help="a block's cost in plain steps: one for every size, or one each for 2, 4, 8, 16")
@@ -33,10 +32,9 @@ parser.add_argument("--switch-cost", type=float, default=1.0, help="a plain step
 parser.add_argument("--early-plain-cost", type=float, default=1.0,
                     help="a plain step's cost in a text's first --early-cycles cycles (H200: 7.7 / 5.3 ms)")
 parser.add_argument("--early-cycles", type=int, default=12)
-parser.add_argument("--slot-decay", type=float, default=policy_module.SLOT_DECAY)
+parser.add_argument("--slot-decay", type=float, default=SLOT_DECAY, help="how fast acceptance statistics fade")
 parser.add_argument("--runs", nargs="*", default=[], help="bench results.json files: replay their acceptance")
 args = parser.parse_args()
-policy_module.SLOT_DECAY = args.slot_decay
 BLOCK_COST = dict(zip([2, 4, 8, 16], args.block_cost * 4 if len(args.block_cost) == 1 else args.block_cost))
 
 
@@ -50,7 +48,7 @@ def random_runs(p1: float, pk: float, seed: int) -> Iterator[int]:
 
 
 def simulate(runs: Iterator[int]) -> tuple[int, int, int, float]:
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, slot_decay=args.slot_decay)
     plain = blocks = forecasts = tokens = 0
     spent, previous = 0.0, 16
     for cycle, run in zip(range(args.cycles), runs):

@@ -1,13 +1,13 @@
 """Host and device time of each piece of a cycle, one piece at a time, with the kernels it launches.
 
-    python scripts/launch_costs.py [--model M] [--draft D] [--context 300] [--iters 30] [--pack off]
-    python scripts/launch_costs.py --shape qwen3.5-9b   # scale mode's random target and 5-layer draft
+    python tools/launch_costs.py [--model M] [--draft D] [--context 300] [--iters 30] [--pack off]
+    python tools/launch_costs.py --shape qwen3.5-9b   # scale mode's random target and 5-layer draft
 
 For each piece (mlx-lm's plain step; the tapped target's plain step and 16-token verify with the
 engine's cache, its count on the device as in queued cycles, the verify eager and compiled
-(``target.COMPILE_BLOCKS``; packed and row-by-row projections there unless ``--pack off`` or
-``--rowwise off``); the draft's context
-update and pass, eager and compiled (``draft.COMPILE_PASSES``)), times building the graph, ``mx.async_eval`` with the device idle (the host
+(``EngineOptions.compile_blocks``; packed and row-by-row projections there unless ``--pack off`` or
+``--rowwise off``); the draft's context update and pass, eager and compiled
+(``EngineOptions.compile_draft``)), times building the graph, ``mx.async_eval`` with the device idle (the host
 launching kernels) and the wait that follows (device work not hidden by the launch), median of
 ``--iters``; and counts the graph's primitives by kind (``mx.export_to_dot``; views such as
 transposes and broadcasts launch nothing). Where launches dominate, a cycle costs what its
@@ -19,25 +19,26 @@ the host's and the device's time; above build + async_eval, the device is the bo
 import argparse
 import re
 import statistics
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_dflash import draft as draft_module
-from mlx_dflash import projections, rollback
-from mlx_dflash import target as target_module
-from mlx_dflash.draft import load_draft
-from mlx_dflash.engine import DFlashProposer
+from mlx_dflash import rollback, use_fast_blas
+from mlx_dflash.draft_io import load_draft
 from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
+from mlx_dflash.options import EngineOptions
+from mlx_dflash.proposer import DFlashProposer
 from mlx_dflash.sampling import matching_prefix
 from mlx_dflash.scale import random_draft, random_target
 from mlx_dflash.target import Target, float_dtype, load_target
 
 VIEWS = {"Broadcast", "Transpose", "ExpandDims", "Squeeze", "Slice", "Flatten", "Unflatten", "AsStrided"}
 
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default=DEFAULT_MODEL)
 parser.add_argument("--draft", default=None)
 parser.add_argument("--shape", default=None, help="a random target of this shape (scale.py) and a random draft")
@@ -46,16 +47,14 @@ parser.add_argument("--iters", type=int, default=30)
 parser.add_argument("--pack", choices=["on", "off"], default="on",
                     help="packed projections in the compiled verify (projections.py)")
 parser.add_argument("--rowwise", choices=["on", "off", "auto"], default="auto",
-                    help="plain projections row by row in the compiled verify (projections.py)")
+                    help="plain projections row by row in the compiled verify (projections.py; auto: the "
+                         "engine's rule, GPUs and models up to ROWWISE_MAX_BYTES)")
 args = parser.parse_args()
-projections.PACK_PROJECTIONS = args.pack == "on"
-# auto: the engine's rule (GPUs, models up to ROWWISE_MAX_BYTES); forced on, a 9B model's verify
-# reads its 18 GB once a row (H200: 47.8 ms of device time, twenty-fourth session)
-projections.ROWWISE_PRODUCTS = {"on": True, "off": False, "auto": None}[args.rowwise]
-
-rollback.PAD_READS = True  # the GPU's reads, also when run on the CPU
-target_module.COMPILE_BLOCKS = False  # eager blocks, except in "verify compiled"
-draft_module.COMPILE_PASSES = False  # eager draft passes, except in "draft compiled"
+use_fast_blas()
+# the GPU's reads, also when run on the CPU; eager blocks and draft passes, except in the compiled pieces
+OPTIONS = EngineOptions(pad_reads=True, compile_blocks=False, compile_draft=False, pack_projections=args.pack == "on",
+                        rowwise_products={"on": True, "off": False, "auto": None}[args.rowwise])
+COMPILED = EngineOptions(**{**vars(OPTIONS), "compile_blocks": True, "compile_draft": True})
 if args.shape:
     model, config = random_target(args.shape)
     draft = random_draft(config)
@@ -66,13 +65,14 @@ vocab = draft.config.vocab_size
 prompt = mx.random.randint(0, vocab, (args.context,)).astype(mx.uint32)
 block = mx.random.randint(0, vocab, (16,)).astype(mx.uint32)
 
-target = Target(model, draft.config.target_layer_ids)
-proposer = DFlashProposer(draft)
+target = Target(model, draft.config.target_layer_ids, OPTIONS)
+compiled_target = Target(model, draft.config.target_layer_ids, COMPILED)  # (same taps, same cache types)
+proposer, compiled_proposer = DFlashProposer(draft), DFlashProposer(draft)
 cache = target.make_cache()
-proposer.start(target)
+proposer.start(target), compiled_proposer.start(compiled_target)
 _, features = target(prompt[None], cache)
-proposer.add_context(features)
-mx.eval(proposer.propose(block[:1], 15), [c.state for c in cache])
+proposer.add_context(features), compiled_proposer.add_context(features)
+mx.eval(proposer.propose(block[:1], 15), compiled_proposer.propose(block[:1], 15), [c.state for c in cache])
 # as in queued cycles: the counts on the device
 for layer_cache in cache:
     if isinstance(layer_cache, rollback.DeviceKVCache):
@@ -100,7 +100,7 @@ def target_step():
     return [mx.argmax(logits[0, -1]), feats]
 
 
-def target_verify():
+def target_verify(target=target):
     logits, feats = target(block[None], cache)
     tokens = mx.argmax(logits[0], axis=-1)
     accepted = matching_prefix(block[1:], tokens)
@@ -117,28 +117,23 @@ def draft_context():
     return out
 
 
-def draft_pass():
+def draft_pass(proposer=proposer):
     return [proposer.propose(block[:1], 15)]
 
 
-def compiled(piece, module, switch: str):
-    """``piece`` with ``module.switch`` (a compile switch) on while it builds its graph."""
-    def run():
-        setattr(module, switch, True)
-        try:
-            return piece()
-        finally:
-            setattr(module, switch, False)
-    return run
+def target_verify_compiled():
+    return target_verify(compiled_target)
 
 
-target_verify_compiled = compiled(target_verify, target_module, "COMPILE_BLOCKS")
-draft_pass_compiled = compiled(draft_pass, draft_module, "COMPILE_PASSES")
+def draft_pass_compiled():
+    return draft_pass(compiled_proposer)
 
 
 def op_counts(outputs) -> Counter:
-    mx.export_to_dot("/tmp/launch_costs.dot", *outputs)
-    return Counter(re.findall(r'label ="([^"]+)"', open("/tmp/launch_costs.dot").read()))
+    with tempfile.TemporaryDirectory() as tmp:
+        dot = Path(tmp) / "graph.dot"
+        mx.export_to_dot(str(dot), *outputs)
+        return Counter(re.findall(r'label ="([^"]+)"', dot.read_text()))
 
 
 def measure(name, piece):

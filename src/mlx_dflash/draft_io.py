@@ -1,0 +1,157 @@
+"""DFlash drafts on disk, in the published format: ``config.json`` + ``*.safetensors`` with no
+key prefix, so drafts trained elsewhere load here and drafts saved here load in SGLang and
+vLLM; plus our optional ``draft_vocab.json`` and 4/8-bit storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .device import on_apple_gpu
+from .draft import DFlashDraft
+from .draft_config import DraftConfig
+from .errors import DFlashError
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+def _resolve_path(path_or_repo: str) -> Path:
+    """A local folder, or a Hugging Face repo id resolved the way mlx-lm does."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        return path
+    if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
+        raise DFlashError(f"draft not found: {path_or_repo}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(path_or_repo, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # offline, unknown repo, auth: all one message for the user
+        raise DFlashError(f"draft {path_or_repo!r} is not a local folder and could not be fetched: {exc}") from None
+
+
+def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDraft:
+    """Load a draft in the published format; every failure is a one-line DFlashError."""
+    path = _resolve_path(path_or_repo)
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise DFlashError(f"{path} has no {CONFIG_FILE}: not a DFlash draft folder")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"{config_path} is not valid JSON: {exc}") from None
+    config = DraftConfig.from_dict(raw)
+    config.draft_vocab = _read_draft_vocab(path, config.vocab_size)
+    weight_files = sorted(path.glob("*.safetensors"))
+    if not weight_files:
+        raise DFlashError(f"{path} has no *.safetensors weights")
+    weights: dict[str, mx.array] = {}
+    for file in weight_files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as exc:
+            raise DFlashError(f"cannot read draft weights {file}: {exc}") from None
+    draft = DFlashDraft(config)
+    quantization = raw.get("quantization")
+    if quantization:
+        quantize_draft(draft, quantization["bits"], quantization["group_size"])
+    try:
+        draft.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise DFlashError(f"draft weights in {path} do not match its config: {exc}") from None
+    if quantization and dtype is not None and not on_apple_gpu():
+        return dequantize_draft(draft, dtype)
+    if dtype is not None and not quantization:
+        draft.set_dtype(dtype)
+    mx.eval(draft.parameters())
+    return draft
+
+
+def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
+    """A float copy of a quantized draft: the file stays small, the compute stays fast. Used
+    everywhere but on Apple GPUs. On the CPU MLX's quantized matmul on a 16-token block is ~3x
+    slower than float32 BLAS. On CUDA, MLX 0.32 compiles a quantized-matmul kernel (NVRTC) the
+    first time it meets each class of row counts (<= 16, 17-32, more): blocks use the first,
+    prompts mostly the last, and the middle one first turns up mid-generation (the draft's
+    context catching up after a run of plain steps in adaptive mode): a 15-20 s stall on an
+    H200 (BENCHMARKS.md, eighth session); expanded, the ninth session's 8 adaptive runs took
+    0.20-0.81 s each, no stall. There the bf16 form of the same draft measured within
+    noise of the 8-bit one (1.09x vs 1.11x over plain decoding with fixed blocks, 1.05x vs 1.01x
+    adaptive; seventh session)."""
+    weights = dict(tree_flatten(draft.parameters()))
+    for name, module in draft.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            for part in ("weight", "scales", "biases"):
+                weights.pop(f"{name}.{part}", None)
+            weights[f"{name}.weight"] = mx.dequantize(module.weight, module.scales, module.biases,
+                                                      module.group_size, module.bits)
+    extra = {k: v for k, v in draft.config.extra.items() if k != "quantization"}
+    plain = DFlashDraft(replace(draft.config, extra=extra))
+    plain.load_weights(list(weights.items()), strict=True)
+    plain.set_dtype(dtype)
+    mx.eval(plain.parameters())
+    return plain
+
+
+def is_quantized(draft: DFlashDraft) -> bool:
+    return any(isinstance(m, nn.QuantizedLinear) for _, m in draft.named_modules())
+
+
+def quantize_draft(draft: DFlashDraft, bits: int, group_size: int = 64) -> None:
+    """Quantize the draft's linear layers in place (its norms stay in float)."""
+    if is_quantized(draft):
+        raise DFlashError("this draft is already quantized")
+    nn.quantize(draft, group_size=group_size, bits=bits)
+    draft.config.extra["quantization"] = {"group_size": group_size, "bits": bits}
+
+
+def save_draft(draft: DFlashDraft, path: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the published layout."""
+    path = Path(path)
+    vocab_file = path / DRAFT_VOCAB_FILE
+    if draft.config.draft_vocab:
+        check_draft_vocab(draft.config.draft_vocab, draft.config.vocab_size, vocab_file)
+    path.mkdir(parents=True, exist_ok=True)
+    # each file is written beside the folder and moved in whole: an interrupted save (or one
+    # over the draft it was loaded from) never leaves a half-written file
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as tmp:
+        staged = Path(tmp)
+        mx.save_safetensors(str(staged / WEIGHTS_FILE), dict(tree_flatten(draft.parameters())),
+                            metadata={"format": "mlx"})
+        (staged / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
+        if draft.config.draft_vocab:
+            (staged / DRAFT_VOCAB_FILE).write_text(json.dumps(draft.config.draft_vocab) + "\n")
+        elif vocab_file.exists():
+            vocab_file.unlink()
+        for file in staged.iterdir():
+            os.replace(file, path / file.name)
+    return path
+
+
+def _read_draft_vocab(path: Path, vocab_size: int) -> Optional[list[int]]:
+    file = path / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return None
+    try:
+        ids = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DFlashError(f"{file} is not valid JSON: {exc}") from None
+    check_draft_vocab(ids, vocab_size, file)
+    return ids
+
+
+def check_draft_vocab(ids, vocab_size: int, file: Path) -> None:
+    """The one rule for a draft vocabulary, on reading and on writing it."""
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+            and len(set(ids)) == len(ids)):
+        raise DFlashError(f"{file} must be a non-empty list of distinct token ids in 0..{vocab_size - 1}"
+                          " (token ids of this draft's target)")

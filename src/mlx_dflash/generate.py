@@ -1,0 +1,255 @@
+"""Generation for users: prompts in, text out. Turns the engine's committed tokens into
+streamed text, with EOS and stop strings, the model's context bound, and statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .draft import DFlashDraft
+from .engine import ProgressCallback, decode_cycles
+from .errors import DFlashError
+from .options import DEFAULT_OPTIONS, EngineOptions
+from .policy import BlockPolicy
+from .proposer import DFlashProposer, Proposer
+from .sampling import SamplingParams
+from .target import Target, check_compatible, context_length
+
+CONTINUATION_TOKENS = 4  # prompt tokens a continuation's detokenizer is primed with
+
+
+@dataclass
+class StreamResponse:
+    """One streamed piece of output, in the spirit of mlx-lm's GenerationResponse."""
+
+    text: str
+    tokens: list[int]
+    acceptance_length: Optional[int]
+    cycle: int
+    prompt_tokens: int
+    prefill_seconds: float
+    generation_tokens: int
+    decode_tokens_per_sec: float
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    decode_tokens_per_sec: float
+    cycles: int
+    acceptance_lengths: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+
+def _find_stop(text: str, stops: Sequence[str], search_from: int) -> Optional[int]:
+    hits = [i for i in (text.find(s, search_from) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def make_proposer(model: nn.Module, draft: Union[DFlashDraft, Proposer],
+                  options: EngineOptions = DEFAULT_OPTIONS) -> tuple[Target, Proposer]:
+    if isinstance(draft, DFlashDraft):
+        check_compatible(draft, model)
+        draft = DFlashProposer(draft)
+    return Target(model, draft.layer_ids, options), draft
+
+
+Prompt = Union[str, list[int], list[dict], mx.array]
+
+
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> mx.array:
+    """Token ids of a prompt: ids as given; text as is, or in the chat template (``chat``);
+    a list of chat messages ({"role", "content"} dicts) always in the chat template."""
+    is_messages = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+    if chat or is_messages:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DFlashError("the tokenizer has no chat template: pass a plain prompt")
+        messages = prompt if is_messages else [{"role": "user", "content": prompt}]
+        if not all(isinstance(m, dict) for m in messages) or (not is_messages and not isinstance(prompt, str)):
+            raise DFlashError("chat needs a text prompt or a list of {'role', 'content'} messages")
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    elif isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt.astype(mx.uint32)
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise DFlashError("the prompt is empty")
+    return prompt
+
+
+def bound_by_context(model: nn.Module, prompt_tokens: int, max_tokens: int) -> int:
+    """``max_tokens`` cut to what fits in the model's context after the prompt; a prompt that
+    leaves no room is refused (past the context a model's output is garbage)."""
+    context = context_length(model)
+    if context is None:
+        return max_tokens
+    if prompt_tokens >= context:
+        raise DFlashError(f"the prompt ({prompt_tokens} tokens) does not fit the model's context of {context} tokens")
+    return min(max_tokens, context - prompt_tokens)
+
+
+def _continue_after(detokenizer, prompt: mx.array) -> None:
+    """Prime the detokenizer with the prompt's last tokens, so that the first generated token
+    keeps its leading space (a completions client appends our text to its prompt)."""
+    for token in prompt[-CONTINUATION_TOKENS:].tolist():
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: Prompt,
+    draft: Union[DFlashDraft, Proposer],
+    max_tokens: int = 256,
+    block_size: Optional[int] = None,
+    stop: Optional[Sequence[str]] = None,
+    sampling: Optional[SamplingParams] = None,
+    adaptive: Union[bool, BlockPolicy] = False,
+    options: EngineOptions = DEFAULT_OPTIONS,
+    chat: bool = False,
+    continuation: bool = False,
+    prompt_progress: Optional[ProgressCallback] = None,
+) -> Iterator[StreamResponse]:
+    """Stream DFlash output; each response carries one cycle's text and statistics.
+
+    ``prompt``: text, token ids, or chat messages ([{"role": ..., "content": ...}], put in the
+    tokenizer's chat template); ``chat=True`` puts a text prompt in the template as a user turn.
+    Output ends at the first EOS (not emitted), at ``max_tokens`` tokens or the model's context,
+    or at the first stop string (text cut before it; tokens end with the one completing it).
+    ``continuation``: the text continues the prompt's exactly (a leading space is kept).
+    ``prompt_progress(done, total)`` is called after each prefill chunk.
+    ``sampling``: temperature, top-p/k, min-p, logits processors and seed (default greedy).
+    ``adaptive``: choose each cycle between plain decoding and full blocks by measured
+    speed (``policy.py``); the output is the same either way. Not with a seeded
+    sampler: timing-dependent blocks would consume random draws differently, and the
+    same seed must give the same text. A ``BlockPolicy`` instead of True keeps the costs it
+    measured for the next call (a server's or a benchmark's many generations).
+    ``options``: how the engine runs (``options.py``; the output does not depend on them).
+    """
+    target, proposer = make_proposer(model, draft, options)
+    block_size = proposer.block_size if block_size is None else block_size
+    if not 1 <= block_size <= proposer.block_size:
+        raise DFlashError(f"block size must be in 1..{proposer.block_size} (the draft's), got {block_size}")
+    if max_tokens < 1:
+        raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
+    stops = [s for s in (stop or []) if s]
+    hold_back = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
+    prompt = encode_prompt(tokenizer, prompt, chat)
+    max_tokens = bound_by_context(model, prompt.size, max_tokens)
+    eos = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    if continuation:
+        _continue_after(detokenizer, prompt)
+    start_chars = sent_chars = len(detokenizer.text)  # (the primed prompt's text is not ours)
+
+    tokens: list[int] = []
+    tic = time.perf_counter()
+    prefill_s = 0.0
+    if sampling is not None and sampling.greedy and not sampling.logits_processors:
+        sampling = None  # plain greedy: the bit-exact path
+    seeded = sampling is not None and sampling.seed is not None
+    policy = None
+    if adaptive and not seeded:
+        policy = adaptive if isinstance(adaptive, BlockPolicy) else BlockPolicy(block_size)
+        if policy.max_block != block_size:
+            raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {block_size}")
+        policy.start_text()
+    cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, prompt_progress)
+    for n_cycle, cycle in enumerate(cycles):
+        if n_cycle == 0:
+            prefill_s = time.perf_counter() - tic
+            tic = time.perf_counter()
+        finish, cut, new = None, None, []
+        for token in cycle.tokens:
+            if token in eos:
+                finish = "stop"
+                break
+            tokens.append(token)
+            new.append(token)
+            detokenizer.add_token(token)
+            if stops:
+                text = detokenizer.text
+                cut = _find_stop(text, stops, max(start_chars, sent_chars - hold_back))
+                if cut is not None:
+                    finish = "stop"
+                    break
+            if len(tokens) == max_tokens:
+                finish = "length"
+                break
+        if finish:
+            detokenizer.finalize()
+        text = detokenizer.text
+        end = cut if cut is not None else (len(text) if finish else max(sent_chars, len(text) - hold_back))
+        segment, sent_chars = text[sent_chars:end], max(sent_chars, end)
+        elapsed = time.perf_counter() - tic
+        yield StreamResponse(
+            text=segment,
+            tokens=new,
+            acceptance_length=cycle.acceptance_length,
+            cycle=n_cycle,
+            prompt_tokens=prompt.size,
+            prefill_seconds=prefill_s,
+            generation_tokens=len(tokens),
+            decode_tokens_per_sec=max(len(tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
+            finish_reason=finish,
+        )
+        if finish:
+            return
+
+
+def generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: Prompt,
+    draft: Union[DFlashDraft, Proposer],
+    **kwargs,
+) -> GenerationResult:
+    """Run ``stream_generate`` to completion and collect tokens, text and statistics."""
+    tokens: list[int] = []
+    pieces: list[str] = []
+    acceptance: list[int] = []
+    tic = time.perf_counter()
+    last = None
+    for last in stream_generate(model, tokenizer, prompt, draft, **kwargs):
+        tokens += last.tokens
+        pieces.append(last.text)
+        if last.acceptance_length is not None:
+            acceptance.append(last.acceptance_length)
+    total = time.perf_counter() - tic
+    decode_s = total - last.prefill_seconds
+    return GenerationResult(
+        tokens=tokens,
+        text="".join(pieces),
+        prompt_tokens=last.prompt_tokens,
+        prefill_seconds=last.prefill_seconds,
+        decode_seconds=decode_s,
+        decode_tokens_per_sec=max(len(tokens) - 1, 0) / decode_s if decode_s > 0 else 0.0,
+        cycles=len(acceptance),
+        acceptance_lengths=acceptance,
+        finish_reason=last.finish_reason,
+    )
+
+
+def generate_text_stats(last: StreamResponse, acceptance: Sequence[int], block_size: int) -> str:
+    """The one-line summary printed after a generation."""
+    mean = sum(acceptance) / max(len(acceptance), 1)
+    return (
+        f"prefill {last.prefill_seconds:.3f}s ({last.prompt_tokens} tokens) | "
+        f"decode {last.decode_tokens_per_sec:.1f} tok/s ({last.generation_tokens} tokens, {len(acceptance)} cycles) | "
+        f"mean acceptance length {mean:.2f} | acceptance rate {(mean - 1) / max(block_size - 1, 1):.1%}"
+    )

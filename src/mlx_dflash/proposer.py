@@ -1,0 +1,104 @@
+"""Proposers: what drafts a block for the engine to verify.
+
+``DFlashProposer`` drafts with a DFlash draft model in one pass, conditioned on the target's
+tapped hidden states (its context), using the target's embedding and head. Tests and
+benchmarks use ``replay.ReplayProposer`` instead, which replays a known continuation with
+planted mistakes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Union
+
+import mlx.core as mx
+
+from .draft import DFlashDraft
+from .target import Target
+
+
+class Proposer(Protocol):
+    """Anything that drafts a block: the DFlash draft, or a replay for tests/benchmarks."""
+
+    layer_ids: list[int]  # target layers whose outputs it consumes
+    block_size: int  # the largest block it drafts for
+
+    def start(self, target: Target) -> None:
+        """Begin a new sequence."""
+
+    def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
+        """Tapped target features [1, n, K*H] of newly verified tokens, of which the first
+        ``kept`` are committed (None: all n; may be a count still on the device)."""
+
+    def settle(self, positions: int) -> None:
+        """The host has read the counts: ``positions`` committed tokens have context now."""
+
+    @property
+    def state(self) -> list:
+        """The arrays its stored context is in: the prefill evaluates them (a prompt's context
+        is prompt work; left to the first draft, it was timed as decoding)."""
+
+    def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        """Draft ``num_tokens`` tokens following ``first_token`` (shape [1])."""
+
+
+class DFlashProposer:
+    """Greedy block drafts from a DFlash draft model, using the target's embedding and head."""
+
+    def __init__(self, draft: DFlashDraft):
+        self.draft = draft
+        self.layer_ids = draft.config.target_layer_ids
+        self.block_size = draft.block_size
+        self.mask_id = mx.array([draft.config.mask_token_id], dtype=mx.uint32)
+        vocab = draft.config.draft_vocab
+        self.draft_vocab = mx.array(vocab, dtype=mx.uint32) if vocab else None
+
+    def start(self, target: Target) -> None:
+        self.target = target
+        self.options = target.options  # (resolved for this backend: how draft passes run)
+        self.cache = self.draft.make_cache(self.options.pad_reads)
+        self.single: list[mx.array] = []  # tapped features of single tokens (plain steps), not stored yet
+        # greedy drafts pick among the draft vocabulary only (when it has one): a smaller head
+        self.vocab_head = target.head_rows(self.draft_vocab) if self.draft_vocab is not None else None
+
+    def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
+        if isinstance(kept, int):
+            features, kept = features[:, :kept], None
+        # Plain steps add one token each: stored together at the next draft, not one by one
+        # (a few ops fewer per step, where a small model on a GPU is launch-bound).
+        if features.shape[1] == 1 and kept is None:
+            self.single.append(features)
+            return
+        self._store_singles()
+        self.draft.store_context(self.draft.project_context(features), self.cache, kept)
+
+    def settle(self, positions: int) -> None:
+        if not self.single:  # (else the cache does not hold them all yet)
+            for layer_cache in self.cache:
+                layer_cache.settle(positions)
+
+    @property
+    def state(self) -> list:
+        return [layer_cache.state for layer_cache in self.cache]
+
+    def _store_singles(self) -> None:
+        if self.single:
+            self.draft.store_context(self.draft.project_context(mx.concatenate(self.single, axis=1)), self.cache)
+            self.single = []
+
+    def _slot_hidden(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        """Final hidden states [1, num_tokens, H] of the block slots after ``first_token``."""
+        block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
+        self._store_singles()
+        return self.draft.run_block(self.target.embed(block[None]), self.cache, compile=self.options.compile_draft,
+                                    pack=self.options.pack_draft, rowwise=self.options.rowwise_products)[:, 1:]
+
+    def draft_logits(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        """Logits [num_tokens, V] over the whole vocabulary (one draft pass): what sampling needs."""
+        return self.target.head(self._slot_hidden(first_token, num_tokens))[0]
+
+    def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        """Greedy drafts (one draft pass), from the draft vocabulary if it has one."""
+        if self.vocab_head is None:
+            return mx.argmax(self.draft_logits(first_token, num_tokens), axis=-1)
+        logits = self.vocab_head(self._slot_hidden(first_token, num_tokens))[0]
+        return self.draft_vocab[mx.argmax(logits, axis=-1)]

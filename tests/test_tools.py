@@ -1,0 +1,49 @@
+"""The maintained profiling tools in tools/ run (a smoke test each, on a tiny pair) and explain themselves."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_pair_files
+
+TOOLS = Path(__file__).parent.parent / "tools"
+
+
+def run_tool(name: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(TOOLS / name), *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    return tiny_pair_files(tiny_dir / "tools", "qwen3")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TOOLS.glob("*.py")))
+def test_every_tool_has_a_docstring_and_help(name):
+    assert run_tool(name, "--help").startswith("usage: ")
+    assert (TOOLS / name).read_text().startswith('"""')
+
+
+def test_launch_costs(pair):
+    model, draft = pair
+    out = run_tool("launch_costs.py", "--model", model, "--draft", draft, "--iters", "1", "--context", "20")
+    assert "compiled verify's tokens equal eager ones: True" in out
+    assert all(piece in out for piece in ("mlx-lm step", "target verify16", "verify compiled", "draft compiled"))
+
+
+def test_cycle_timeline(pair, tmp_path):
+    model, draft = pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def fib(n):"}) + "\n")
+    out = run_tool("cycle_timeline.py", "--model", model, "--draft", draft, "--prompts", str(prompts),
+                   "--tokens", "12")
+    assert out.startswith("prompt 0: mlx-lm ") and "host launch" in out and "waiting" in out
+
+
+def test_policy_simulation():
+    out = run_tool("policy_simulation.py", "--cycles", "40")
+    assert out.count("tokens per plain step's cost") == 10
