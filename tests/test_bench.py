@@ -14,7 +14,7 @@ from mlx_dflash.replay import ReplayProposer, geometric_schedule
 
 SUMMARY_FIELDS = {"method", "length", "prompts", "decode_tokens_per_sec", "prefill_s_median", "ttft_s_median",
                   "generated_tokens", "token_match", "speedup_vs_baseline", "decode_tokens_per_sec_by_prompt",
-                  "speedup_by_prompt"}
+                  "speedup_by_prompt", "median_speedup", "prompts_at_cap", "speedup_without_capped"}
 DFLASH_FIELDS = {"cycles", "mean_acceptance_length", "acceptance_histogram", "acceptance_by_position"}
 
 
@@ -101,7 +101,7 @@ def test_adaptive_runs_record_what_their_policy_saw(tiny_dir, tmp_path):
 @pytest.mark.parametrize("shape", ["tiny", "tiny-hybrid"])
 def test_scale_targets_have_a_steady_greedy_continuation(shape):
     """A replay needs a trajectory that bfloat16 rounding cannot flip: near-flat random logits
-    (top two often tied) made the H200's Qwen3.5-9B-shape replay of 6.5 accept 1.00."""
+    (top two often tied in bfloat16) make a replay of 6.5 accept 1.00."""
     from mlx_dflash.scale import random_target
 
     model, config = random_target(shape)
@@ -151,3 +151,25 @@ def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):
     assert [c["context_len"] for c in json.loads((fast / "cycle_costs.json").read_text())] == [16, 32]
     assert main(["bench", "--draft-vocab", "512", "--lengths", "8"]) == 2  # a real draft brings its own
     assert "scale mode only" in capsys.readouterr().err
+
+
+def test_the_summary_reports_the_median_and_texts_at_the_cap_apart():
+    """A text that runs to the cap (a loop, easy to draft) flatters the aggregate: the median of the
+    prompts' own speed-ups and the aggregate without such texts are reported beside it."""
+    import statistics
+
+    from mlx_dflash.bench import Run, summarize
+
+    def run(method, prompt, tokens, seconds):
+        return Run(method=method, prompt=prompt, length=100, tokens=list(range(tokens)), prefill_s=0.1,
+                   decode_s=seconds, acceptance_lengths=[2] if method == "dflash" else [], policy_cycles=[])
+    runs = [run("baseline", 0, 100, 10.0), run("dflash", 0, 100, 1.0),  # at the cap, 10x faster
+            run("baseline", 1, 41, 4.0), run("dflash", 1, 41, 2.0),  # 2x
+            run("baseline", 2, 21, 2.0), run("dflash", 2, 21, 1.0)]  # 2x
+    entry = summarize(runs, 16)["dflash@100"]
+    assert entry["prompts_at_cap"] == [0]
+    assert entry["median_speedup"] == statistics.median(entry["speedup_by_prompt"].values()) == 2.0
+    assert entry["speedup_vs_baseline"] == (99 + 40 + 20) / 4.0 / ((99 + 40 + 20) / 16.0)  # 4x, flattered
+    assert abs(entry["speedup_without_capped"] - 2.0) < 1e-12
+    table = markdown_table({"dflash@100": entry})
+    assert "| 4.00x | 2.00x | 2.00-10.00x | 1/3 | 2.00x |" in table

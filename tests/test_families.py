@@ -343,7 +343,7 @@ def test_block_projections_equal_the_models_own(tiny_dir, family, bits, rowwise)
 def test_row_by_row_by_default_only_on_gpus_and_for_small_models(tiny_dir, monkeypatch):
     """Row by row, a block reads each weight once per row: by default only a GPU runs it, and only
     for a model of at most ROWWISE_MAX_BYTES of plain weights (a larger verify would turn
-    bandwidth-bound: H200, a 2 GB head 7.4 ms row by row against 0.75 ms)."""
+    bandwidth-bound)."""
     from mlx_dflash import projections
 
     model, _ = load_tiny(make_tiny_target(tiny_dir / "rowwise-size", "llama"))
@@ -362,9 +362,9 @@ def test_row_by_row_by_default_only_on_gpus_and_for_small_models(tiny_dir, monke
 
 
 def test_the_default_pairs_float32_target_runs_row_by_row_on_gpus(monkeypatch):
-    """SmolLM2-135M in float32 (513 MiB of plain weights) was just past a 512 MiB limit and
-    verified with cuBLAS on GPUs, 2.8x of mlx-lm against 3.4-3.7x row by row (H200, twenty-third
-    session). Built lazily from its config: nothing is evaluated, only sizes are read."""
+    """SmolLM2-135M in float32 (513 MiB of plain weights) verifies row by row on GPUs, faster
+    than with cuBLAS (docs/performance.md). Built lazily from its config: nothing is evaluated,
+    only sizes are read."""
     from mlx_lm.models import llama
 
     from mlx_dflash import projections

@@ -78,9 +78,9 @@ def test_a_switchs_cost_is_not_charged_to_the_size_switched_to():
 
 
 def run_stale_plain_cost_text(policy):
-    """H200, past a text's end: plain steps timed early in a text cost 7.7 ms, later 5.3; the
-    policy kept the early cost and 16-token blocks (10.8 ms) at acceptance ~1.5, 0.51x of
-    mlx-lm. The sizes chosen in such a text."""
+    """Past a text's end (on a GPU): plain steps timed early in a text cost more than later
+    ones, and a policy that kept the early cost ran 16-token blocks at acceptance ~1.5, half
+    mlx-lm's speed. The sizes chosen in such a text."""
     runs = [12] * 8 + [0, 0, 1, 0, 2, 0, 0, 1] * 60  # drafted tokens accepted: a good start, then poor
 
     def cost(cycle: int, block: int, previous: int) -> float:
@@ -99,8 +99,7 @@ def test_a_stale_plain_cost_is_timed_again():
 
 def test_a_stale_plain_cost_is_timed_again_after_a_text_plain_decoding_won():
     """A shared policy keeps the probes' back-off after a text where plain decoding won (up to
-    PROBE_MAX cycles between probes); re-times have their own, so they still come (H200: a text
-    after such a one ran 305 of 326 cycles on 16-token blocks at 0.61x)."""
+    PROBE_MAX cycles between probes); re-times have their own, so they still come."""
     policy = BlockPolicy(16)
     useless = drive(policy, lambda b: 1, lambda b: 2.0 if b > 1 else 1.0, 600)
     assert useless[-100:].count(1) > 95 and policy.probe_every == PROBE_MAX
@@ -111,7 +110,7 @@ def test_a_stale_plain_cost_is_timed_again_after_a_text_plain_decoding_won():
 
 def test_a_text_that_turns_poor_falls_back_after_a_long_good_start():
     """Acceptance statistics fade (SLOT_DECAY a cycle): a text whose answer ends after a long
-    predictable stretch (H200 and CPU, `bench --no-eos`) otherwise kept blocks for as long as
+    predictable stretch (`bench --no-eos`) otherwise kept blocks for as long as
     its good start outweighed the poor cycles since."""
     policy = BlockPolicy(16)
     drive(policy, lambda b: 12, lambda b: 2.0 if b > 1 else 1.0, 100)
@@ -235,7 +234,8 @@ def test_adaptive_output_is_unchanged(tiny_dir):
             proposer = ReplayProposer(prompt + reference, 16, schedule, VOCAB_SIZE)
             result = generate(model, tokenizer, prompt, proposer, max_tokens=100, adaptive=adaptive)
             assert result.tokens == reference[:100]
-    assert shared.samples[16] > 3  # it was used by all three generations
+    # one policy timed them all: the useless draft's plain steps and the perfect draft's full blocks
+    assert shared.samples.get(1, 0) > 0 and shared.samples.get(16, 0) > 0
     with pytest.raises(DFlashError, match="blocks of up to 16, not 8"):
         generate(model, tokenizer, prompt, proposer, max_tokens=10, block_size=8, adaptive=shared)
 

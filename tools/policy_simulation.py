@@ -30,7 +30,7 @@ parser.add_argument("--block-cost", type=float, nargs="+", default=[2.7],
                     help="a block's cost in plain steps: one for every size, or one each for 2, 4, 8, 16")
 parser.add_argument("--switch-cost", type=float, default=1.0, help="a plain step's cost right after a block")
 parser.add_argument("--early-plain-cost", type=float, default=1.0,
-                    help="a plain step's cost in a text's first --early-cycles cycles (H200: 7.7 / 5.3 ms)")
+                    help="a plain step's cost in a text's first --early-cycles cycles")
 parser.add_argument("--early-cycles", type=int, default=12)
 parser.add_argument("--slot-decay", type=float, default=SLOT_DECAY, help="how fast acceptance statistics fade")
 parser.add_argument("--runs", nargs="*", default=[], help="bench results.json files: replay their acceptance")

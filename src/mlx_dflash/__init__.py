@@ -2,22 +2,14 @@
 
 import os
 
-# MLX's CUDA backend builds a cuDNN attention graph for every new (query length, key length)
-# pair; a verify block or a draft pass meets a new key length every cycle, and each build
-# costs tens of ms (BENCHMARKS.md, "MLX CUDA"). MLX's own attention kernels need no build.
-# Read once by MLX, at its first attention call; set it to 1 yourself to keep cuDNN.
+# MLX CUDA defaults for DFlash, read by MLX at its first GPU use (set one yourself to keep MLX's);
+# docs/performance.md gives the measurements behind them:
+# - cuDNN attention builds a graph per key length, and a verify meets a new one every cycle;
 os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
-# MLX's CUDA backend keeps LRU caches (CUDA graphs: 400 entries) whose check counts every miss
-# in the process's life and throws once they pass twice the capacity, ending the process: a
-# long `serve` (every prompt length, block size and 256-position buffer size makes new graphs)
-# can die by it, mid-request. Without the check a miss only costs a rebuild.
-# MLX 0.32.4 reads MLX_ENABLE_CACHE_THRASHING_CHECK (checked in its CUDA library's strings).
+# - the CUDA graph cache's thrashing check ends a long-running server that meets many shapes;
 os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
-# MLX's CUDA backend runs float32 matmuls on TF32 tensor cores (10-bit mantissas) unless
-# MLX_ENABLE_TF32=0: a verify block's matmuls (cuBLAS) then round far coarser than a one-token
-# step's (MLX's own gemv), and float32 on a GPU stops being the exact path. H200, SmolLM2 in
-# float32, x8 HumanEval 1,024: with TF32 7/8 and 6/8 continuations equal to mlx-lm's, without
-# 8/8 and 8/8 (BENCHMARKS.md, eighteenth session). bf16 and quantized models are unaffected.
+# - TF32 matmuls round a verify's products far coarser than a one-token step's: float32 on a
+#   GPU would stop being the exact path.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 from .blas import use_fast_blas

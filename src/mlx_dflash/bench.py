@@ -140,28 +140,56 @@ def summarize(runs: list[Run], block_size: int) -> dict:
                 "acceptance_by_position": acceptance_by_position(acceptance, block_size),
             }
         out[f"{method}@{length}"] = entry
-    for entry in out.values():
-        base = out.get(f"baseline@{entry['length']}")
+    for (method, length), entry in zip(keys, out.values()):
+        base = out.get(f"baseline@{length}")
         if base and base["decode_tokens_per_sec"] > 0:
             entry["speedup_vs_baseline"] = entry["decode_tokens_per_sec"] / base["decode_tokens_per_sec"]
-            # each prompt's own ratio: on a shared machine their spread shows the run's noise
+            # each prompt's own ratio: their median is the typical text's speed-up, their spread
+            # the run's noise on a shared machine
             base_rates = base["decode_tokens_per_sec_by_prompt"]
             entry["speedup_by_prompt"] = {p: rate / base_rates[p] for p, rate in
                                           entry["decode_tokens_per_sec_by_prompt"].items() if base_rates.get(p)}
+            entry["median_speedup"] = statistics.median(entry["speedup_by_prompt"].values())
+            # texts that run to the cap (often loops, easy to draft) apart: the aggregate without them
+            capped = sorted(p for (p, n), tokens in baseline.items() if n == length and len(tokens) >= length)
+            entry["prompts_at_cap"] = capped
+            uncapped = len(capped) < entry["prompts"]
+            entry["speedup_without_capped"] = (_rate(runs, method, length, capped) / _rate(runs, "baseline", length, capped)
+                                               if uncapped else None)
     return out
 
 
+def _rate(runs: list[Run], method: str, length: int, excluded: list[int]) -> float:
+    """Decode tokens/s of ``method`` at ``length`` over the prompts not ``excluded`` (median over
+    repeats, as ``summarize``)."""
+    by_prompt: dict[int, list[Run]] = {}
+    for r in runs:
+        if r.method == method and r.length == length and r.prompt not in excluded:
+            by_prompt.setdefault(r.prompt, []).append(r)
+    tokens = sum(len(rs[0].tokens) - 1 for rs in by_prompt.values())
+    seconds = sum(statistics.median(r.decode_s for r in rs) for rs in by_prompt.values())
+    return tokens / seconds
+
+
 def markdown_table(summary: dict) -> str:
-    rows = ["| method | length | decode tok/s | speed-up | per prompt | TTFT s | mean acceptance | token match |",
-            "|---|---|---|---|---|---|---|---|"]
+    """Per method and length: decode tok/s, the aggregate speed-up, the median of the prompts'
+    own speed-ups and their range, the aggregate without the texts that ran to the cap."""
+    rows = ["| method | length | decode tok/s | speed-up (aggregate) | median per prompt | range | "
+            "at the cap | aggregate without them | TTFT s | mean acceptance | token match |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary.values():
         matches = list(e["token_match"].values())
         match = "all" if all(m is True for m in matches) else f"{sum(m is True for m in matches)}/{len(matches)}"
         acc = f"{e['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in e else "-"
         ratios = list(e.get("speedup_by_prompt", {}).values())
-        spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios and e["method"] != "baseline" else "-"
+        ours = ratios and e["method"] != "baseline"
+        spread = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ours else "-"
+        median = f"{e['median_speedup']:.2f}x" if ours else "-"
+        capped = f"{len(e['prompts_at_cap'])}/{e['prompts']}" if ours else "-"
+        uncapped = f"{e['speedup_without_capped']:.2f}x" if ours and e["prompts_at_cap"] and e["speedup_without_capped"] else "-"
         rows.append(f"| {e['method']} | {e['length']} | {e['decode_tokens_per_sec']:.1f} | "
-                    f"{e.get('speedup_vs_baseline', 1.0):.2f}x | {spread} | {e['ttft_s_median']:.3f} | {acc} | {match} |")
+                    f"{e.get('speedup_vs_baseline', 1.0):.2f}x | {median} | {spread} | {capped} | {uncapped} | "
+                    f"{e['ttft_s_median']:.3f} | {acc} | {match} |")
     return "\n".join(rows)
 
 
@@ -212,12 +240,10 @@ def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer,
     """Run every block size the adaptive policy may pick, with every acceptance length (and
     so every shape of a cycle), once before timing.
 
-    First uses are slow (kernel JIT, allocator; on MLX CUDA also attention graphs per shape,
-    see mlx_dflash/__init__.py): on an H200 the first DFlash generation ran at 173 ms/cycle
-    and the next ones at 14 ms/cycle, and the first adaptive generation with an 8-bit draft
-    stalled for ~20 s (twice, after warm-ups that covered 16-token blocks and 64 adaptive
-    tokens, not the smaller sizes). A replay that cycles through acceptance lengths 1..b at
-    block size b, running the real draft each cycle, covers every cycle shape of that size.
+    First uses are slow (kernel compilation, the allocator; on MLX CUDA each new shape builds
+    kernels), and a timed run must not pay for them. A replay that cycles through acceptance
+    lengths 1..b at block size b, running the real draft each cycle, covers every cycle shape
+    of that size.
     """
     from .draft import DFlashDraft
     from .proposer import DFlashProposer
@@ -248,9 +274,9 @@ class BenchConfig:
     block_size: Optional[int] = None
     num_draft_tokens: int = 3
     sampling: Optional[SamplingParams] = None  # None: greedy
-    # mlx-lm's greedy on every prompt before any DFlash generation, instead of alternating:
-    # on an H200, mlx-lm in a process that had run DFlash measured slower (~250 -> 150-210 tok/s,
-    # scripts/baseline_interaction.py), which alternating counts against the baseline
+    # mlx-lm's greedy on every prompt before any DFlash generation, instead of alternating: on
+    # GPUs mlx-lm runs slower in a process that has run DFlash (docs/performance.md), which
+    # alternating counts against the baseline
     baselines_first: bool = False
 
 

@@ -1,8 +1,7 @@
 """The CPU BLAS: MLX's Linux CPU wheel bundles the reference (netlib) BLAS.
 
-At ~2.5 GFLOP/s it makes a 16-token verify cost many single-token decodes, and
-DFlash loses on the CPU. A system OpenBLAS runs the same GEMMs ~60x faster with
-identical results. MLX resolves BLAS when it is loaded, so the only switch is
+It makes a 16-token verify cost many single-token decodes, and DFlash loses on
+the CPU; a system OpenBLAS runs the same GEMMs far faster with identical results. MLX resolves BLAS when it is loaded, so the only switch is
 ``LD_PRELOAD`` before the process starts: ``use_fast_blas`` re-executes the
 current command once with it set when the machine has OpenBLAS.
 Set ``MLX_DFLASH_BLAS=bundled`` to keep the bundled BLAS (for measurements).
@@ -11,9 +10,7 @@ OpenBLAS picks its kernels by the CPU's model number, and a virtual machine that
 generic model ("Intel(R) Xeon(R) Processor") gets its oldest x86-64 kernels (Prescott, SSE3)
 though the CPU has AVX-512. Its ISA flags tell better: where OpenBLAS settled for pre-AVX2
 kernels that the flags beat, the re-executed process gets ``OPENBLAS_CORETYPE`` (unless the
-user set it). On this project's 2-core Sapphire Rapids VM (BENCHMARKS.md, eighteenth session),
-SmolLM2-135M's 1,536 x 576 float32 product of 16 rows took 1.16 ms with Prescott's kernels and
-0.43 ms with SkylakeX's, one row 0.33 and 0.25 ms, its 49,152-way head 43 and 21 ms for 16 rows.
+user set it): docs/cpu-blas.md gives the difference it makes.
 """
 
 from __future__ import annotations

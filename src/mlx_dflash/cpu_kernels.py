@@ -3,13 +3,12 @@
 MLX's CPU backend on x86 computes ``exp`` one element at a time (its SIMD layer has no x86
 vectors there; each element calls libm's ``fmaf`` six times, ~25 ns). A one-token step barely
 notices, but a block multiplies the exponentials of attention (heads x block x keys) and of
-SiLU (block x intermediate size) by its length: in a 16-token forward of SmolLM2-135M
-(float32, 300 positions of context) attention took 50-56 ms and SwiGLU ~25 ms of ~197
-(BENCHMARKS.md, twentieth session).
+SiLU (block x intermediate size) by its length, until they are a large share of a verify
+(docs/performance.md).
 
 ``exp`` below is MLX's own polynomial (2**f on [-1/2, 1/2], degree 6, the same coefficients,
 times 2**n made from exponent bits) written as elementwise ops, which ``mx.compile`` fuses into
-loops the C++ compiler vectorizes: 2-5x faster than ``mx.exp``, within 2 ulp of it (no fused
+loops the C++ compiler vectorizes: several times faster than ``mx.exp``, within 2 ulp of it (no fused
 multiply-add).
 
 ``rope`` gives ``nn.RoPE``'s numbers bit for bit, with the angles' tables made once per forward
@@ -50,8 +49,6 @@ EXP2_POLYNOMIAL = (1.535336188319500e-4, 1.339887440266574e-3, 9.618437357674640
                    2.402264791363012e-1, 6.931472028550421e-1, 1.0)
 ROUNDING = 12582912.0  # 1.5 * 2**23: t + ROUNDING - ROUNDING rounds t to an integer (|t| < 2**22)
 LOWEST, HIGHEST = -87.0, 88.0  # exp(x) for x below LOWEST is 0 here (MLX: below -88); above HIGHEST, clipped
-USE_CPU_KERNELS = True  # False: MLX's own exp everywhere (to measure the difference)
-SHARE_ROPE_TABLES = True  # False: every RoPE module's own call (to measure the difference)
 
 
 @partial(mx.compile, shapeless=True)
@@ -144,7 +141,7 @@ def rope(module: nn.Module, x: mx.array, offset: Union[int, mx.array] = 0) -> mx
     MLX's CPU RoPE builds its tables from positions, exp, cos and sin on every call (~190 us, a
     30-layer model calls it 60 times a forward, at any length); the layers of one forward share
     their positions. The tables are MLX's own: its RoPE of (1, 0) pairs."""
-    if not (SHARE_ROPE_TABLES and _cpu_float32(x.dtype) and type(module) is nn.RoPE and not module.traditional
+    if not (_cpu_float32(x.dtype) and type(module) is nn.RoPE and not module.traditional
             and module.dims == x.shape[-1] and isinstance(offset, int)):
         return module(x, offset=offset)
     return _rotate(x, _rotations(module.dims, module.base, module.scale, offset, x.shape[-2]))
@@ -175,7 +172,7 @@ def _cpu_float32(dtype: mx.Dtype) -> bool:
 
 def _vectorized_exp_pays(x: mx.array) -> bool:
     """The CPU in float32, and a block."""
-    return USE_CPU_KERNELS and _cpu_float32(x.dtype) and x.shape[-2] > 1
+    return _cpu_float32(x.dtype) and x.shape[-2] > 1
 
 
 def _block_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
@@ -266,6 +263,6 @@ def block_kernels(model: nn.Module, dtype: mx.Dtype) -> Optional[BlockKernels]:
     (``cuda_attention``); else None (its own code is the fast one)."""
     if _cpu_float32(dtype):
         return BlockKernels(model)
-    if on_cuda() and cuda_attention.USE_CUDA_ATTENTION:
+    if on_cuda():
         return BlockKernels(model, functions=("scaled_dot_product_attention",), tables=False)
     return None

@@ -3,9 +3,8 @@
 MLX's CUDA backend has a fused attention kernel for one query only; the queries of a block
 (a verify's 2-64 tokens, a draft pass's block) take its fallback instead: a scaled copy of
 the queries, a cuBLAS matmul, the mask, a softmax and a second matmul, five launches a layer.
-On an H200 a small model's cycle is bound by the host launching kernels (SmolLM2-135M: a
-16-token verify's attention 2.33 ms over 30 layers against 0.40 ms for one query; BENCHMARKS.md,
-fifth and seventeenth sessions), so ``block_attention`` computes it in one launch: one thread
+A small model's cycle on a large GPU is bound by the host launching kernels, so
+``block_attention`` computes it in one launch: one thread
 block per (query, head, batch), its warps walking the keys with an online softmax in float32,
 merged in shared memory at the end (the one-query kernel's scheme, for many queries and a mask).
 
@@ -26,16 +25,11 @@ import mlx.core as mx
 
 from .device import on_cuda
 
-USE_CUDA_ATTENTION = True  # False: MLX's own call everywhere (to measure the difference)
 WARPS = 16  # warps per (query, head): each walks every WARPS-th key
 MAX_HEAD_DIM = 256
 # The kernel's work grows with query heads x keys (each (query, head) walks every key, one warp
-# reduction a key), while MLX's fallback, launch-bound, barely grows. Measured against it (H200, a
-# 16-query block, compiled, all layers of a model; scripts/attention_kernel_costs.py, BENCHMARKS.md
-# twenty-second session): SmolLM2-135M's 9 heads 3.10x faster at 256 keys, 1.89x at 1,024, 0.50x
-# at 4,096; Qwen3-8B's 32 heads 2.12x at 256, 0.71x at 1,024; Qwen3.5-9B's 16 heads 2.11x at 256,
-# 0.91x at 1,024. Even (log-interpolated) near 18k, 21k and 14k query heads x keys; past the lowest
-# of them, MLX's own call.
+# reduction a key), while MLX's fallback, launch-bound, barely grows: past the crossover measured
+# on an H200 (the lowest of three models', docs/performance.md), MLX's own call.
 MAX_HEADS_TIMES_KEYS = 14 * 1024
 
 _SOURCE = """
@@ -103,7 +97,7 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, 
         mask_ok = mask.dtype == mx.bool_ and mask.shape == (queries.shape[2], keys.shape[2])
     else:
         mask_ok = mask is None or mask == "causal"
-    return (USE_CUDA_ATTENTION and on_cuda() and queries.ndim == 4 and queries.shape[2] > 1 and mask_ok
+    return (on_cuda() and queries.ndim == 4 and queries.shape[2] > 1 and mask_ok
             and queries.dtype == keys.dtype == values.dtype and D % 32 == 0 and D <= MAX_HEAD_DIM and keys.shape[-1] == D and values.shape[-1] == D
             and queries.shape[1] % keys.shape[1] == 0 and queries.shape[1] * keys.shape[2] <= MAX_HEADS_TIMES_KEYS)
 

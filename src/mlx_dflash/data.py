@@ -265,9 +265,9 @@ def greedy_batch(model, prompts: list[list[int]], max_tokens: int, eos_ids: set[
 
     A static batch: every row steps until all have stopped, with one step queued ahead
     of the host (as in mlx-lm's loop). mlx-lm's ``batch_generate`` admits and retires
-    sequences continuously, which copies the whole batch's caches each time one finishes;
-    on the H200 it made 2,900 tok/s with SmolLM2-135M. Rows that stopped early cost a
-    little wasted compute instead.
+    sequences continuously, which copies the whole batch's caches each time one finishes
+    (several times slower here, docs/performance.md). Rows that stopped early cost a little
+    wasted compute instead.
     """
     longest = max(len(p) for p in prompts)
     padding = [longest - len(p) for p in prompts]

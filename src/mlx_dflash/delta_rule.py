@@ -29,9 +29,8 @@ Its steps mirror mlx-lm's GatedDeltaNet forward (projections, causal conv window
 normalised q/k, gated output norm); tests/test_families.py checks every hybrid family's
 DFlash tokens against mlx-lm greedy and the rollback against feeding the accepted tokens
 alone, in both forms (the stepwise one on the CPU through mlx-lm's ops); on a GPU,
-tests/test_delta_rule.py checks the CUDA kernel against those ops. Costs: BENCHMARKS.md
-(eleventh session: 0.5-0.8 ms a layer for a 16-token verify + rewind at Qwen3.5-9B's shape on
-an H200, the chunked form 1.2-1.6 ms).
+tests/test_delta_rule.py checks the CUDA kernel against those ops. Its costs against the
+chunked form: docs/performance.md.
 """
 
 from __future__ import annotations

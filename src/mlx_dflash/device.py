@@ -20,5 +20,5 @@ def on_gpu() -> bool:
     """Any GPU: there a small model's cycle costs the host's graph building and kernel
     launches more than arithmetic, so the engine queues cycles ahead and attention reads
     fixed-size key buffers (one kernel shape per 256 positions). On the CPU the arithmetic
-    is the cost and both only add work (BENCHMARKS.md, twelfth session)."""
+    is the cost and both only add work."""
     return mx.default_device() == mx.gpu

@@ -236,8 +236,8 @@ class DFlashDraft(nn.Module):
         state = [x for c in cache for x in (c.keys, c.values, device_count(c.length), mx.array(c.dropped))]
         return self._compiled_pass(block_embeddings, *state)
 
-    # The compiled pass holds the weights as constants of its trace (as inputs they cost ~0.4 ms
-    # of host time a pass, here), and the packed projections copies of them, so new weights drop
+    # The compiled pass holds the weights as constants of its trace (as inputs they cost host
+    # time every pass), and the packed projections copies of them, so new weights drop
     # both: training updates them between its held-out evaluations; loading and quantizing go
     # through these too.
     def update(self, *args, **kwargs) -> "DFlashDraft":

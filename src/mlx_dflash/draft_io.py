@@ -78,15 +78,9 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
 
 def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
     """A float copy of a quantized draft: the file stays small, the compute stays fast. Used
-    everywhere but on Apple GPUs. On the CPU MLX's quantized matmul on a 16-token block is ~3x
-    slower than float32 BLAS. On CUDA, MLX 0.32 compiles a quantized-matmul kernel (NVRTC) the
-    first time it meets each class of row counts (<= 16, 17-32, more): blocks use the first,
-    prompts mostly the last, and the middle one first turns up mid-generation (the draft's
-    context catching up after a run of plain steps in adaptive mode): a 15-20 s stall on an
-    H200 (BENCHMARKS.md, eighth session); expanded, the ninth session's 8 adaptive runs took
-    0.20-0.81 s each, no stall. There the bf16 form of the same draft measured within
-    noise of the 8-bit one (1.09x vs 1.11x over plain decoding with fixed blocks, 1.05x vs 1.01x
-    adaptive; seventh session)."""
+    everywhere but on Apple GPUs: on the CPU MLX's quantized matmul on a block is slower than
+    float32 BLAS, and on CUDA MLX compiles a quantized-matmul kernel the first time it meets each
+    class of row counts, a stall of many seconds mid-generation (docs/performance.md)."""
     weights = dict(tree_flatten(draft.parameters()))
     for name, module in draft.named_modules():
         if isinstance(module, nn.QuantizedLinear):

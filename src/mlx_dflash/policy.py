@@ -12,13 +12,13 @@ with short blocks. While a smaller size wins, the next size up is still tried no
 and then (less often each time it loses; a cheaper probe than a full block) so the
 policy notices, one size at a time, when the text becomes predictable. And while blocks win
 by little, such a probe runs plain decoding again instead: its cost, timed early in a text, can
-be far off later (H200: 7.7 ms, later 5.3), and a policy that believed the early cost kept
-16-token blocks at acceptance ~1.5, half plain decoding's speed.
+be far off later, and a policy that believed the early cost would keep blocks at an acceptance
+where plain decoding is much faster.
 
 While plain decoding wins, a probe is a *forecast*: one draft pass beside a plain step,
 whose guess is checked slot by slot against the tokens plain decoding then commits, until
-it misses. That measures the draft's acceptance for the price of one draft pass (on an H200
-a verify costs ~3 plain steps and a SmolLM2 draft pass ~0.6), and verifies nothing. In the
+it misses. That measures the draft's acceptance for the price of one draft pass (on a GPU a
+verify can cost several plain steps, a small draft's pass less than one), and verifies nothing. In the
 same way a block shorter than the draft's carries one drafted token past its end, checked
 against the block's bonus token when the block is wholly accepted: otherwise a policy on
 short blocks would never see the slot after them again, and one early miss there kept it
@@ -30,7 +30,7 @@ pay (their back-off), after a text where plain decoding won; the acceptance stat
 to one text, start afresh with it and fade as it goes (SLOT_DECAY).
 A new text starts with full blocks (two for a size not timed yet: a size's first cycle is not
 timed), or, when plain decoding won the previous text, with a forecast: a useless draft then
-costs one draft pass per text instead of a verified block (~3 plain steps on an H200).
+costs one draft pass per text instead of a verified block.
 """
 
 from __future__ import annotations
@@ -41,16 +41,14 @@ from typing import Optional
 PROBE_START = 16  # cycles between probes, doubled after each losing probe
 PROBE_MAX = 256
 WARMUP_CYCLES = 2  # full blocks first (the first is not timed), to learn the text's acceptance
-# A plain step's cost may have drifted this much since it was last timed (H200: 7.7 ms early in a
-# text, 5.3 ms later): while blocks win by less, a probe runs plain decoding again to re-time it.
+# A plain step's cost may have drifted this much since it was last timed (warm-up early in a text):
+# while blocks win by less, a probe runs plain decoding again to re-time it.
 RETIME_MARGIN = 1.5
 RETIME_STEPS = 3  # such a probe's plain steps: the switch (not timed) and two timed ones
 # Each cycle the acceptance statistics fade by this factor (a memory of ~50 cycles): a text
 # that turns poor after a long predictable stretch (an answer that ended, `bench --no-eos`)
-# otherwise kept blocks for as long as its good start outweighed the poor cycles since.
-# `scripts/policy_simulation.py --slot-decay` over the H200's and this CPU's bench runs: 0.98
-# moved such texts 0.972/0.977 -> 0.994/0.990 (H200 costs) and 1.003/0.995 -> 1.022/1.015 (CPU)
-# of plain decoding's rate, and texts with answers by -0.8% to +1.9%; 0.95 cost the CPU's up to 7%.
+# otherwise kept blocks for as long as its good start outweighed the poor cycles since
+# (the value chosen with tools/policy_simulation.py --slot-decay: docs/performance.md).
 SLOT_DECAY = 0.98
 
 
@@ -236,15 +234,13 @@ class BlockPolicy:
             return
         self.samples[block] = self.samples.get(block, 0) + 1
         # Only a cycle after one of its own size is timed: a size's steady cost. The first cycle
-        # of a size carries one-off costs (CPU, SmolLM2: 142 ms for the first plain step vs ~80),
-        # and so does a switch: on a GPU the plain step queued behind a block is built before the
-        # block's count is read, so it takes the masked attention path (887 primitives instead of
-        # 634). Charged to plain decoding, that kept it looking as dear as blocks, and a text past
-        # its end (acceptance ~1.5) ran on blocks at half mlx-lm's speed (H200, fourteenth
-        # session; `scripts/policy_simulation.py` reproduces it with such a switch cost).
-        # A size run again after others may cost less now than when it was timed (warm-up costs:
-        # H200, a plain step 7.7 ms early in a text, 5.3 ms later), so the first steady cycle of
-        # a run that is cheaper than believed is believed at once. Dearer cycles only move the
+        # of a size carries one-off costs, and so does a switch: on a GPU the plain step queued
+        # behind a block is built before the block's count is read, so it takes the masked
+        # attention path. Charged to plain decoding, that kept it looking as dear as blocks
+        # (tools/policy_simulation.py --switch-cost shows the effect).
+        # A size run again after others may cost less now than when it was timed (warm-up
+        # costs), so the first steady cycle of a run that is cheaper than believed is believed
+        # at once. Dearer cycles only move the
         # average a little: one-off costs (a new compiled trace when the key buffers grow, the
         # machine's hiccups) only ever make a cycle dearer.
         if steady and not forecast:

@@ -2,8 +2,7 @@
 
 A small model's block on a GPU is bound by the host launching kernels, and on MLX's CUDA backend
 the dearest launch there is a matmul of several rows: cuBLAS, captured into a child graph per call
-(SmolLM2-135M on an H200: a 16-token verify's launch took 2.4 ms longer than a one-token step's
-with as many primitives; ``scripts/launch_costs.py``). Two changes, both only inside the traced
+(``tools/launch_costs.py`` shows it). Two changes, both only inside the traced
 block forward (``Target``'s compiled blocks), per model instance, no class patched:
 
 - **Packed**: an attention layer computes q, k and v from one input, an MLP its gate and up, a
@@ -13,11 +12,10 @@ block forward (``Target``'s compiled blocks), per model instance, no class patch
 - **Row by row** (``EngineOptions.rowwise_products``; by default on GPUs, for models up to ``ROWWISE_MAX_BYTES``):
   ``x @ W.T`` as ``W @ x[..., None]``, a batch of matrix-vector products with the weight
   broadcast, which MLX runs as its own gemv kernel (one graph node, no cuBLAS), the kernel of
-  mlx-lm's one-token step: each row's product is then the step's bit for bit
-  (``scripts/gemv_rows.py``: 30 layers' projections of 16 rows launched in 1.98 ms instead of
-  3.26 ms, compiled). A whole verify did not launch faster (H200, BENCHMARKS.md, fourteenth
-  session): it is here for exactness, fewer bf16 near-ties decided differently from mlx-lm's
-  steps. It reads each weight once per row, so larger models and the CPU keep one matmul.
+  mlx-lm's one-token step: each row's product is then the step's bit for bit, so fewer bf16
+  near-ties are decided differently from mlx-lm's steps (and small float32 models verify faster:
+  docs/performance.md). It reads each weight once per row, so larger models and the CPU keep
+  one matmul.
 
 Outside a trace the model runs its own modules, so mlx-lm's steps (and ours) pay nothing.
 """
@@ -38,15 +36,10 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
           ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # a Qwen3.5 Gated DeltaNet's inputs
           ("in_proj_qkvz", "in_proj_ba"))  # Qwen3-Next's
 WEIGHTS = ("weight", "scales", "biases", "bias")  # what a (quantized) linear layer may hold
-# Row by row, a block reads each weight once per row where it does not stay in the GPU's cache
-# (H200, a 248,320 x 4,096 bf16 head, 16 rows: 7.4 ms, against 0.75 ms as one matmul;
-# scripts/head_costs.py). For a model of at most this many bytes of plain weights that is device
-# time hidden under the host's launches (at most 16 reads of 768 MiB, ~3 ms of an H200's bandwidth,
-# against a verify's ~5 ms of launches); a larger model would turn its verify bandwidth-bound, so
-# by default (None) only GPUs and models up to this size run row by row. SmolLM2-135M in float32
-# (513 MiB) was just past the former 512 MiB, so the default pair's float32 runs verified with
-# cuBLAS: row by row, 509 / 562 tok/s against 353 / 346 (3.73x / 3.40x of mlx-lm against 2.81x /
-# 2.77x; H200, x16 HumanEval, 1,024 tokens, two rounds; BENCHMARKS.md, twenty-third session).
+# Row by row, a block reads each weight once per row where it does not stay in the GPU's cache.
+# For a model of at most this many bytes of plain weights that is device time hidden under the
+# host's launches; a larger model would turn its verify bandwidth-bound, so by default only GPUs
+# and models up to this size run row by row (the default pair's float32 target, 513 MiB, included).
 ROWWISE_MAX_BYTES = 768 * 2**20
 
 

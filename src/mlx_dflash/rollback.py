@@ -14,10 +14,9 @@ may stay. What "removing the tail" means depends on how a cache stores history:
   window and a recurrent state): a state update cannot be undone by trimming. The
   layer's token mixer is wrapped (``delta_rule.BlockDeltaMixer``): it runs a block in the
   chunked form of the delta rule, which gives the state after any prefix in one matmul,
-  and the conv window of that prefix from the block's inputs. Until the seventh session
-  the accepted tokens were replayed through mlx-lm's own mixer instead: on the H200 at
-  Qwen3.5-9B shape that replay cost 34.5 ms per cycle on top of a 58.3 ms verify, whose
-  recurrence mlx-lm runs token by token off Apple GPUs (BENCHMARKS.md, "Hybrid rollback").
+  and the conv window of that prefix from the block's inputs. (Replaying the accepted tokens
+  through mlx-lm's own mixer instead costs a large share of a verify again: off Apple GPUs
+  mlx-lm runs that recurrence token by token.)
 
 A rollback by a count the host has not read yet (the accept count still on the device)
 lets the engine queue the next cycle before it waits for this one. ``DeviceKVCache``
@@ -176,7 +175,7 @@ class DeviceKVCache(KVCache):
         fetch no more. An exact count turns the offset back into an int, so that single
         tokens take mlx-lm's own path again (no mask: its one-query attention kernel; with
         a device offset they need a mask, which MLX's CUDA backend runs as a matmul-softmax-
-        matmul: 857 kernels a SmolLM2 step instead of 634, scripts/launch_costs.py)."""
+        matmul, a third more kernels a step: tools/launch_costs.py)."""
         self.bound = in_use
         if exact:
             self.offset = in_use

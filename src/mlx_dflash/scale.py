@@ -28,7 +28,7 @@ SHAPES = {
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
     "qwen3-14b": {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 40, "intermediate_size": 17408,
                   "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
-    # SmolLM2-135M's depth at negligible width: a step is all host work (scripts/host_overhead.py)
+    # SmolLM2-135M's depth at negligible width: a step is all host work
     "deep-thin": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 30, "intermediate_size": 128,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
                   "vocab_size": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
@@ -82,8 +82,8 @@ def steady_greedy(model, embedding_scale: float = EMBEDDING_SCALE) -> None:
 
     Plain random weights give near-flat logits (top two often tied in bfloat16), so a 16-token
     verify and single steps, whose rounding differs, pick different tokens and a replay of the
-    greedy continuation stops matching (on an H200, Qwen3.5-9B shape: mean acceptance 1.00 for a
-    replay of 6.5). Scaling the embeddings up makes each position's residual stream mostly its own
+    greedy continuation stops matching (the replay's planted acceptance is lost). Scaling the
+    embeddings up makes each position's residual stream mostly its own
     token's embedding, and a head equal to the embeddings then scores that token far above any
     other. Costs are unchanged: same shapes, same operations."""
     lm = getattr(model, "language_model", model)
@@ -97,11 +97,9 @@ def null_tokenizer(vocab_size: int):
     """A word-level tokenizer with one token per id ('▁t0', '▁t1', ...): enough for the engine.
 
     Streamed through mlx-lm's SentencePiece detokenizer, whose cost per token is constant, as
-    with real models' tokenizers. Until the twenty-fourth session it took mlx-lm's default,
-    which decodes the whole line again for every token and a line never ended here: O(T^2),
-    0.16-0.26 ms a token over 1,024 tokens and 1.0 ms over 4,096 on a 2-core CPU, paid by
-    mlx-lm's stream_generate every token and by DFlash once a cycle, so scale-mode speed-ups
-    were inflated (at 4,096 by up to ~10% of a ~10 ms step)."""
+    with real models' tokenizers. (mlx-lm's default one decodes the whole line again for every
+    token, and a line never ends here: O(T^2), paid by mlx-lm's stream_generate every token and
+    by DFlash once a cycle, which would inflate scale-mode speed-ups.)"""
     from mlx_lm.tokenizer_utils import SPMStreamingDetokenizer, TokenizerWrapper
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast

