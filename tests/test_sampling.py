@@ -1,4 +1,5 @@
-"""Lossless sampling: the emitted distribution is the target's, checked statistically."""
+"""Lossless sampling: the emitted distribution is the target's. The accept/reject rule is checked
+exactly, its randomness enumerated; whole generations are checked statistically (chi-square)."""
 
 import json
 import math
@@ -19,7 +20,7 @@ from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.target import Target
 
 VOCAB = 16  # a tiny vocabulary makes the exact distributions cheap to compute
-SAMPLES = 1500  # a wrong acceptance rule scored chi-square ~10^4 against a bound of ~35 at 2000
+SAMPLES = 800  # a wrong acceptance rule scores chi-square in the thousands against a bound of ~35
 Z_999 = 3.090  # standard normal quantile for significance 1e-3
 
 
@@ -120,6 +121,48 @@ def test_the_check_catches_a_wrong_acceptance_rule(setup, monkeypatch):
     counts = sampled_marginals(model, draft, prompt, params)
     stats = [chi_square(counts[0], p2), chi_square(counts[1], p3)]
     assert any(stat > chi_square_bound(dof) for stat, dof in stats), stats
+
+
+def emitted_by_enumeration(p: np.ndarray, q: np.ndarray, rule, monkeypatch, grid: int = 2000) -> np.ndarray:
+    """The exact distribution of the first emitted token of a one-draft block under ``rule``
+    (``speculative_accept``'s signature): the drafted token enumerated over the vocabulary with
+    its probability q, the uniform draw over a grid of ``grid`` points, and the residual draw
+    replaced by the distribution it draws from."""
+    drawn = []
+    monkeypatch.setattr(sampling_module, "sample", lambda probs: drawn.append(np.array(probs)) or mx.zeros(
+        probs.shape[:1], mx.uint32))
+    u = mx.array((np.arange(grid) + 0.5) / grid, dtype=mx.float32)
+    emitted = np.zeros(p.shape[1])
+    for d in range(p.shape[1]):
+        accepted = 0
+        for i in range(grid):
+            drawn.clear()
+            _, a = rule(mx.array(p), mx.array(q), mx.array([d], dtype=mx.uint32), u[i : i + 1])
+            accepted += int(a.item())
+        keep = accepted / grid
+        emitted[d] += q[0, d] * keep
+        emitted += q[0, d] * (1 - keep) * drawn[-1][0]  # row 0 of the bonus draw: the residual
+    return emitted
+
+
+def test_accept_rule_is_exact_by_enumeration(monkeypatch):
+    """min(1, p/q) acceptance with the normalized residual max(0, p - q) emits exactly p, for
+    any q (within the uniform grid's resolution); min(1, q/p) does not."""
+    rng = np.random.default_rng(0)
+    for trial in range(3):
+        p = rng.dirichlet(np.ones(5), size=2).astype(np.float32)  # row 0: the drafted slot; row 1: the bonus
+        q = rng.dirichlet(np.ones(5) * (0.3 + trial), size=1).astype(np.float32)
+        with monkeypatch.context() as patch:
+            emitted = emitted_by_enumeration(p, q, sampling_module.speculative_accept, patch, grid=400)
+        assert np.abs(emitted - p[0]).max() < 2 / 400, (emitted, p[0])
+
+    def inverted(p, q, drafted, uniform):  # accept with min(1, q/p): wrong
+        keep = uniform * p[0, drafted] < q[0, drafted]
+        a = keep.astype(mx.int32).sum(keepdims=True)
+        return sampling_module.sample(mx.concatenate([p[:1], p[1:]])), a
+    with monkeypatch.context() as patch:
+        emitted = emitted_by_enumeration(p, q, inverted, patch, grid=400)
+    assert np.abs(emitted - p[0]).max() > 0.02
 
 
 def test_probabilities_match_mlx_lm_sampler(setup):

@@ -10,7 +10,6 @@ Its configuration: ``draft_config.py``; its context cache: ``draft_cache.py``; l
 and saving the published format: ``draft_io.py``.
 """
 
-
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
@@ -26,6 +25,7 @@ from .draft_config import DraftConfig, default_target_layer_ids
 from .errors import DFlashError
 from .projections import BlockProjections, block_projections
 from .rollback import Count, device_count
+
 
 class DraftAttention(nn.Module):
     """Block queries attend to [context K/V ; block K/V], all with this layer's projections."""
@@ -108,7 +108,6 @@ class DraftAttention(nn.Module):
             values = mx.concatenate([ctx_v, values], axis=2)
         out = attention(queries, keys, values, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
 
 
 class DraftMLP(nn.Module):
@@ -257,7 +256,6 @@ class DFlashDraft(nn.Module):
         for layer in self.layers:
             h = layer.forward_blocks(h, context, anchors, sees_context)
         return self.norm(h)
-
 
 
 def create_random_draft(

@@ -133,7 +133,6 @@ class ContextView:
         return context_visible(self.keys.shape[2], self.length, self.sink, self.window)
 
 
-
 def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optional[int]) -> Optional[mx.array]:
     """Which of [context ; block] keys each block query sees ([L, context read + L]; None: all):
     non-causal, or causal and windowed in a sliding-window layer, which stores every position

@@ -150,18 +150,21 @@ def verify(params: Optional[SamplingParams], logits: mx.array, history: Optional
     return speculative_accept(p, q, drafted)
 
 
-def speculative_accept(p: mx.array, q: mx.array, drafted: mx.array) -> tuple[mx.array, mx.array]:
+def speculative_accept(p: mx.array, q: mx.array, drafted: mx.array,
+                       uniform: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
     """Standard speculative sampling over one block, entirely on the device.
 
     p [bs, V]: target distributions (row j predicts the token after block position j);
     q [bs-1, V]: draft distributions of drafted [bs-1] (drafted[j] follows position j).
+    ``uniform`` [bs-1]: the acceptance draws in [0, 1) (default: fresh ones).
     Returns (tokens [bs], a): drafted[:a] then the bonus token at index a.
     """
     n = drafted.shape[0]
     rows = mx.arange(n)
     p_d = p[rows, drafted] if n else mx.zeros((0,))
     q_d = q[rows, drafted] if n else mx.zeros((0,))
-    keep = mx.random.uniform(shape=(n,)) * q_d < p_d  # u < p/q without dividing by zero
+    u = mx.random.uniform(shape=(n,)) if uniform is None else uniform
+    keep = u * q_d < p_d  # u < p/q without dividing by zero
     a = mx.cumprod(keep.astype(mx.int32)).sum(keepdims=True)
     residual = mx.maximum(p[:n] - q, 0.0)
     mass = residual.sum(axis=-1, keepdims=True)
