@@ -103,6 +103,23 @@ def test_emitted_distribution_with_compiled_blocks(setup):
         assert stat < chi_square_bound(dof), (stat, dof)
 
 
+def test_emitted_distribution_with_a_dflash2_draft(setup):
+    """A DFlash2 draft samples each slot from its selector's sparse q over the head's top-k
+    candidates; rejection sampling against it keeps the target's distribution."""
+    from mlx_dflash.draft_config import DFlash2Config
+
+    model, _, draft, prompt = setup
+    v2 = create_random_draft(dict(vars(model.args)), num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5,
+                             dflash2=DFlash2Config(conv_group_size=16, selector_rank=8, selector_top_k=4))
+    v2.candidate_selector.successor_codebook = mx.random.normal((VOCAB, 8), key=mx.random.key(1))
+    params = SamplingParams(temp=1.0)
+    p2, p3 = exact_marginals(model, prompt, params)
+    counts = sampled_marginals(model, v2, prompt, params)
+    for observed, expected in ((counts[0], p2), (counts[1], p3)):
+        stat, dof = chi_square(observed, expected)
+        assert stat < chi_square_bound(dof), (stat, dof)
+
+
 def test_the_check_catches_a_wrong_acceptance_rule(setup, monkeypatch):
     """Accepting with min(1, q/p) instead of min(1, p/q) must fail the same test."""
     model, _, draft, prompt = setup

@@ -21,7 +21,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .cpu_kernels import attention, rope, swiglu
 from .draft_cache import ContextView, DraftContextCache, block_mask
-from .draft_config import DraftConfig, default_target_layer_ids
+from .draft_config import DFlash2Config, DraftConfig, default_target_layer_ids
 from .errors import DFlashError
 from .projections import BlockProjections, block_projections
 from .rollback import Count, device_count
@@ -121,8 +121,43 @@ class DraftMLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def block_conv(y: mx.array, deltas: mx.array, base: mx.array, group_size: int) -> mx.array:
+    """DFlash2's per-token convolution over a block ([B, T, H]): out[t, c] = sum over taps of
+    (base[tap, c] + deltas[t, tap, c // group_size]) * y[t - tap, c], with y = 0 before the
+    block's start (it never reaches into the context). deltas: [B, T, taps, H / group_size]."""
+    B, T, H = y.shape
+    kernel = base + mx.repeat(deltas, group_size, axis=-1)  # [B, T, taps, H]
+    out = kernel[..., 0, :] * y
+    for tap in range(1, base.shape[0]):
+        shifted = mx.concatenate([mx.zeros((B, min(tap, T), H), y.dtype), y[:, : max(T - tap, 0)]], axis=1)
+        out = out + kernel[..., tap, :] * shifted
+    return out
+
+
+class SublayerConv(nn.Module):
+    """The convolutions before and after one sublayer of a DFlash2 layer; their per-token
+    kernels are a shared base plus a projection of the sublayer's normed input. Initialised to
+    the identity (base tap 0 = 1, the rest and the projection 0): then the layer is v1's."""
+
+    def __init__(self, hidden: int, taps: int, group_size: int):
+        super().__init__()
+        self.group_size, self.taps = group_size, taps
+        self.base_kernel = mx.zeros((2, taps, hidden)).at[:, 0].add(1.0)  # [before/after, tap, channel]
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * (hidden // group_size), bias=False)
+        self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
+
+    def deltas(self, h: mx.array) -> mx.array:
+        """[B, T, 2, taps, groups]: both convolutions' per-token kernel deltas, from h."""
+        B, T, _ = h.shape
+        return self.kernel_projection(h).reshape(B, T, 2, self.taps, -1)
+
+    def __call__(self, y: mx.array, deltas: mx.array, which: int) -> mx.array:
+        return block_conv(y, deltas[:, :, which], self.base_kernel[which], self.group_size)
+
+
 class DraftLayer(nn.Module):
-    """Pre-norm decoder layer; the context enters only through attention K/V."""
+    """Pre-norm decoder layer; the context enters only through attention K/V. A DFlash2 layer
+    also convolves each sublayer's input and output along the block (``SublayerConv``)."""
 
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -130,11 +165,22 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.dflash2 is not None:
+            taps, group = config.dflash2.conv_kernel_size, config.dflash2.conv_group_size
+            self.attention_conv = SublayerConv(config.hidden_size, taps, group)
+            self.mlp_conv = SublayerConv(config.hidden_size, taps, group)
 
     def __call__(self, x: mx.array, cache: DraftContextCache, mask: Optional[mx.array]) -> mx.array:
         """Decode: one block over the cached context."""
-        h = x + self.self_attn(self.input_layernorm(x), cache, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if "attention_conv" not in self:
+            h = x + self.self_attn(self.input_layernorm(x), cache, mask)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.input_layernorm(x)
+        deltas = self.attention_conv.deltas(h)
+        x = x + self.attention_conv(self.self_attn(self.attention_conv(h, deltas, 0), cache, mask), deltas, 1)
+        h = self.post_attention_layernorm(x)
+        deltas = self.mlp_conv.deltas(h)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(h, deltas, 0)), deltas, 1)
 
     def forward_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array) -> mx.array:
         """Training: many blocks at once (``DraftAttention.attend_blocks``)."""
@@ -142,9 +188,49 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class CandidateSelector(nn.Module):
+    """DFlash2's low-rank selector: re-ranks the head's top-k candidates at each block slot by
+    the token drafted before it, S[b] = logit[b] + sum_r Pred[prev, r] g[r] Succ[cand[b], r] with
+    g = hidden_projection(the slot's hidden state). A zero successor codebook (its
+    initialisation) leaves the head's own ranking: v1's drafts."""
+
+    def __init__(self, hidden: int, vocab: int, rank: int):
+        super().__init__()
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        self.predecessor_codebook = mx.random.normal((vocab, rank)) * 0.02
+        self.successor_codebook = mx.zeros((vocab, rank))
+
+    def walk(self, hidden: mx.array, logits: mx.array, first_token: mx.array, top_k: int,
+             ids: Optional[mx.array] = None, temperature: float = 0.0) -> tuple[mx.array, Optional[mx.array]]:
+        """Drafts [n] for the slots after ``first_token``: at each slot one of the head's top
+        ``top_k`` (``logits`` [n, V'] over ``ids``, or the whole vocabulary), scored against the
+        token chosen before it; hidden: [n, H], the slots' final states. Greedy takes the best
+        score; with a ``temperature`` the candidate is sampled from softmax(S / T), and the second
+        result is that distribution on the vocabulary [n, V] (the q of speculative sampling)."""
+        k = min(top_k, logits.shape[-1])
+        local = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        scores = mx.take_along_axis(logits, local, axis=-1)  # [n, k]
+        candidates = local if ids is None else ids[local]
+        successors = self.successor_codebook[candidates]  # [n, k, rank]
+        g = self.hidden_projection(hidden)  # [n, rank]
+        previous, drafted, qs = first_token.reshape(()), [], []
+        for t in range(logits.shape[0]):
+            score = scores[t] + successors[t] @ (self.predecessor_codebook[previous] * g[t])  # [k]
+            if temperature > 0:
+                probs = mx.softmax(score / temperature)
+                choice = mx.random.categorical(mx.log(probs))
+                qs.append(mx.zeros((self.successor_codebook.shape[0],)).at[candidates[t]].add(probs))
+            else:
+                choice = mx.argmax(score)
+            previous = candidates[t][choice]
+            drafted.append(previous)
+        return mx.stack(drafted), mx.stack(qs) if qs else None
+
+
 class DFlashDraft(nn.Module):
     """The draft network. ``__call__`` maps block embeddings to final hidden states;
-    the caller applies the target's head (the draft has none)."""
+    the caller applies the target's head (the draft has none). A DFlash2 draft adds
+    convolutions to its layers and a ``candidate_selector`` over the head's top-k."""
 
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -154,6 +240,8 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.layers = [DraftLayer(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        if config.dflash2 is not None:
+            self.candidate_selector = CandidateSelector(H, config.vocab_size, config.dflash2.selector_rank)
         self._compiled_pass: Optional[Callable] = None  # (run_block's, traced on first use)
         self._pass_projections: Optional[BlockProjections] = None  # (run_block's, packed on first use)
         self._pass_rowwise: Optional[bool] = None  # (what they were packed for)
@@ -173,6 +261,18 @@ class DFlashDraft(nn.Module):
         window, sink = self.config.context_window, self.config.context_sink
         return [(sink, window) if window and not self.config.is_sliding(i) else (0, None)
                 for i in range(len(self.layers))]
+
+    def scale_embeddings(self, embeddings: mx.array) -> mx.array:
+        """The block's token embeddings as the draft takes them (``input_embedding_scale``)."""
+        scale = self.config.input_embedding_scale
+        return embeddings if scale is None else embeddings * scale
+
+    def scale_logits(self, logits: mx.array) -> mx.array:
+        """The head's logits times ``output_multiplier``, tanh-capped at ``final_logit_softcapping``."""
+        if self.config.output_multiplier is not None:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * mx.tanh(logits / cap)
 
     def project_context(self, tapped: mx.array) -> mx.array:
         """Context features C = hidden_norm(fc(concat of tapped target hidden states))."""
@@ -201,7 +301,7 @@ class DFlashDraft(nn.Module):
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             window = self.config.sliding_window if self.config.is_sliding(i) else None
             if window not in masks:
-                masks[window] = block_mask(layer_cache, h.shape[1], window)
+                masks[window] = block_mask(layer_cache, h.shape[1], window, self.config.causal_windows)
             h = layer(h, layer_cache, masks[window])
         return self.norm(h)
 
@@ -252,6 +352,8 @@ class DFlashDraft(nn.Module):
         """Training forward: all anchored blocks of a batch in one pass (see ``train.py``)."""
         if self.config.layer_types and "sliding_attention" in self.config.layer_types:
             raise DFlashError("training drafts with sliding-window layers is not supported")
+        if self.config.dflash2 is not None:
+            raise DFlashError("training DFlash2 drafts is not supported yet; train a v1 draft (the default)")
         h = block_embeddings
         for layer in self.layers:
             h = layer.forward_blocks(h, context, anchors, sees_context)
@@ -266,8 +368,10 @@ def create_random_draft(
     mask_token_id: int,
     target_layer_ids: Optional[list[int]] = None,
     seed: int = 0,
+    dflash2: Optional[DFlash2Config] = None,
 ) -> DFlashDraft:
-    """A freshly initialised draft shaped after the target's layers (for tests and training)."""
+    """A freshly initialised draft shaped after the target's layers (for tests and training);
+    with ``dflash2``, a DFlash2 draft (its convolutions and selector at their identity start)."""
     num_target_layers = target_config["num_hidden_layers"]
     heads = target_config["num_attention_heads"]
     layer_ids = target_layer_ids or default_target_layer_ids(num_target_layers, num_layers)
@@ -287,6 +391,7 @@ def create_random_draft(
         num_target_layers=num_target_layers,
         mask_token_id=mask_token_id,
         target_layer_ids=layer_ids,
+        dflash2=dflash2,
     )
     mx.random.seed(seed)
     draft = DFlashDraft(config)

@@ -133,10 +133,12 @@ class ContextView:
         return context_visible(self.keys.shape[2], self.length, self.sink, self.window)
 
 
-def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optional[int]) -> Optional[mx.array]:
+def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optional[int],
+               causal: bool = True) -> Optional[mx.array]:
     """Which of [context ; block] keys each block query sees ([L, context read + L]; None: all):
-    non-causal, or causal and windowed in a sliding-window layer, which stores every position
-    (storage index = position) and sees the last ``sliding_window`` positions up to its own."""
+    non-causal; a sliding-window layer (which stores every position: storage index = position)
+    sees the positions within ``sliding_window`` of its own, the block's later ones too unless
+    ``causal`` (v1's rule; DFlash2's windows are two-sided, ``is_causal: false``)."""
     visible = cache.visible()
     if visible is None and sliding_window is None:
         return None
@@ -148,5 +150,5 @@ def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optio
         q = mx.arange(block_len)[:, None]
         k = mx.arange(block_len)[None]
         context = context & ((start + q) - mx.arange(n_context)[None] < sliding_window)
-        own = (k <= q) & (q - k < sliding_window)
+        own = (k <= q) & (q - k < sliding_window) if causal else mx.abs(q - k) < sliding_window
     return mx.concatenate([context, own], axis=1)

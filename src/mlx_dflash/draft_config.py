@@ -25,7 +25,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_inputs: int) -> l
 POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                  "num_target_layers", "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size",
                  "sliding_window")
-POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta")
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier",
+                    "final_logit_softcapping")
 
 
 def _is_int(value: Any) -> bool:
@@ -55,6 +56,11 @@ def _check_config_values(raw: dict, dflash: dict) -> None:
     ids = dflash.get("target_layer_ids")
     if ids is not None and not (isinstance(ids, list) and ids and all(_is_int(i) and i >= 0 for i in ids)):
         raise DFlashError(f"draft config.json: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
+    if raw.get("is_causal") is not None and not isinstance(raw["is_causal"], bool):
+        raise DFlashError(f"draft config.json: is_causal must be true or false, got {raw['is_causal']!r}")
+    if dflash.get("block_size") is not None and not (_is_int(dflash["block_size"]) and dflash["block_size"] > 0):
+        raise DFlashError(f"draft config.json: dflash_config.block_size must be a positive integer, "
+                          f"got {dflash['block_size']!r}")
     for key in ("context_window", "context_sink"):
         if dflash.get(key) is not None and not (_is_int(dflash[key]) and dflash[key] >= 0):
             raise DFlashError(f"draft config.json: dflash_config.{key} must be a count, got {dflash[key]!r}")
@@ -94,6 +100,15 @@ class DraftConfig:
     # Draft vocabulary (our extension, in draft_vocab.json): the token ids greedy drafts are
     # chosen from, e.g. the 8,192 most frequent in the training responses. None: all.
     draft_vocab: Optional[list[int]] = None
+    # Sliding-window layers are causal unless the config says ``is_causal: false`` (DFlash2's are
+    # not: a two-sided window over a non-causal block). None: not said (causal).
+    is_causal: Optional[bool] = None
+    # Optional scales (both versions): raw embeddings times ``input_embedding_scale``; logits times
+    # ``output_multiplier``, then tanh-capped at ``final_logit_softcapping``.
+    input_embedding_scale: Optional[float] = None
+    output_multiplier: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    dflash2: Optional["DFlash2Config"] = None  # a DFlash2 draft's extra parts; None: v1
     extra: dict = field(default_factory=dict)  # unknown fields, written back on save
 
     @classmethod
@@ -122,8 +137,10 @@ class DraftConfig:
             "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "rope_theta", "vocab_size", "max_position_embeddings", "block_size",
-            "num_target_layers", "rope_scaling", "layer_types", "sliding_window",
+            "num_target_layers", "rope_scaling", "layer_types", "sliding_window", "architectures",
+            "is_causal", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
         }
+        v2 = DFlash2Config.from_dicts(raw, dflash)
         return cls(
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
@@ -135,7 +152,7 @@ class DraftConfig:
             rope_theta=raw.get("rope_theta", 1_000_000.0),
             vocab_size=raw["vocab_size"],
             max_position_embeddings=raw.get("max_position_embeddings", 40960),
-            block_size=raw.get("block_size", 16),
+            block_size=dflash.get("block_size") or raw.get("block_size", 16),  # (dflash_config's first)
             num_target_layers=raw["num_target_layers"],
             mask_token_id=int(dflash["mask_token_id"]),
             target_layer_ids=[int(i) for i in layer_ids],
@@ -144,6 +161,11 @@ class DraftConfig:
             sliding_window=raw.get("sliding_window"),
             context_window=dflash.get("context_window"),
             context_sink=dflash.get("context_sink", 4),
+            is_causal=raw.get("is_causal"),
+            input_embedding_scale=raw.get("input_embedding_scale"),
+            output_multiplier=raw.get("output_multiplier"),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            dflash2=v2,
             extra={k: v for k, v in raw.items() if k not in known},
         )
 
@@ -151,7 +173,7 @@ class DraftConfig:
         out = dict(self.extra)
         out.update(
             {
-                "architectures": ["DFlashDraftModel"],
+                "architectures": ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"],
                 "model_type": out.get("model_type", "qwen3"),
                 "hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size,
@@ -177,7 +199,53 @@ class DraftConfig:
         if self.layer_types is not None:
             out["layer_types"] = self.layer_types
             out["sliding_window"] = self.sliding_window
+        if self.dflash2 is not None:
+            out["dflash_config"].update(self.dflash2.to_dict(), block_size=self.block_size)
+        optional = {"is_causal": self.is_causal, "input_embedding_scale": self.input_embedding_scale,
+                    "output_multiplier": self.output_multiplier, "final_logit_softcapping": self.final_logit_softcapping}
+        out.update({k: v for k, v in optional.items() if v is not None})
         return out
+
+    @property
+    def causal_windows(self) -> bool:
+        """Whether sliding-window layers are causal (v1's rule), rather than a two-sided window
+        over a non-causal block (``is_causal: false``)."""
+        return self.is_causal is not False
 
     def is_sliding(self, layer_index: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer_index] == "sliding_attention"
+
+
+V2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@dataclass
+class DFlash2Config:
+    """DFlash2's additions (``dflash_config``): a per-token convolution around each sublayer
+    (``conv_kernel_size`` taps, kernels projected per group of ``conv_group_size`` channels) and a
+    low-rank candidate selector re-ranking the head's top ``selector_top_k`` by the previous token."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    @classmethod
+    def from_dicts(cls, raw: dict, dflash: dict) -> Optional["DFlash2Config"]:
+        """The v2 part of a config, or None for a v1 draft (told apart by ``architectures`` and
+        the v2 keys)."""
+        architectures = raw.get("architectures") or []
+        if "DFlash2DraftModel" not in architectures and not any(k in dflash for k in V2_KEYS):
+            return None
+        config = cls(**{k: dflash[k] for k in V2_KEYS if k in dflash})
+        for key in V2_KEYS:
+            value = getattr(config, key)
+            if not (_is_int(value) and value > 0):
+                raise DFlashError(f"draft config.json: dflash_config.{key} must be a positive integer, got {value!r}")
+        if raw["hidden_size"] % config.conv_group_size:
+            raise DFlashError(f"draft config.json: hidden_size ({raw['hidden_size']}) is not a multiple of "
+                              f"dflash_config.conv_group_size ({config.conv_group_size})")
+        return config
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in V2_KEYS}

@@ -89,16 +89,38 @@ class DFlashProposer:
         """Final hidden states [1, num_tokens, H] of the block slots after ``first_token``."""
         block = mx.concatenate([first_token.astype(mx.uint32), mx.repeat(self.mask_id, num_tokens)])
         self._store_singles()
-        return self.draft.run_block(self.target.embed(block[None]), self.cache, compile=self.options.compile_draft,
+        embeddings = self.draft.scale_embeddings(self.target.embed(block[None]))
+        return self.draft.run_block(embeddings, self.cache, compile=self.options.compile_draft,
                                     pack=self.options.pack_draft, rowwise=self.options.rowwise_products)[:, 1:]
 
     def draft_logits(self, first_token: mx.array, num_tokens: int) -> mx.array:
-        """Logits [num_tokens, V] over the whole vocabulary (one draft pass): what sampling needs."""
-        return self.target.head(self._slot_hidden(first_token, num_tokens))[0]
+        """Logits [num_tokens, V] over the whole vocabulary (one draft pass): what v1 sampling needs."""
+        return self.draft.scale_logits(self.target.head(self._slot_hidden(first_token, num_tokens))[0])
 
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
-        """Greedy drafts (one draft pass), from the draft vocabulary if it has one."""
-        if self.vocab_head is None:
-            return mx.argmax(self.draft_logits(first_token, num_tokens), axis=-1)
-        logits = self.vocab_head(self._slot_hidden(first_token, num_tokens))[0]
-        return self.draft_vocab[mx.argmax(logits, axis=-1)]
+        """Greedy drafts (one draft pass), from the draft vocabulary if it has one; a DFlash2
+        draft's selector picks each slot among the head's top-k by the token before it."""
+        hidden = self._slot_hidden(first_token, num_tokens)[0]
+        head = self.target.head if self.vocab_head is None else self.vocab_head
+        logits = self.draft.scale_logits(head(hidden))
+        if self.selects:
+            return self._walk(hidden, logits, first_token)[0]
+        drafted = mx.argmax(logits, axis=-1)
+        return drafted if self.draft_vocab is None else self.draft_vocab[drafted]
+
+    @property
+    def selects(self) -> bool:
+        """A DFlash2 draft: its selector picks (or samples) each slot's token."""
+        return self.draft.config.dflash2 is not None
+
+    def sample(self, first_token: mx.array, num_tokens: int, temperature: float) -> tuple[mx.array, mx.array]:
+        """A DFlash2 draft's sampled drafts [n] and their distributions q [n, V] (sparse: on
+        the candidates of each slot)."""
+        hidden = self._slot_hidden(first_token, num_tokens)[0]
+        logits = self.draft.scale_logits(self.target.head(hidden))  # (the full head: q must be the drafts' own)
+        return self._walk(hidden, logits, first_token, temperature)
+
+    def _walk(self, hidden: mx.array, logits: mx.array, first_token: mx.array, temperature: float = 0.0):
+        ids = self.draft_vocab if logits.shape[-1] != self.draft.config.vocab_size else None
+        return self.draft.candidate_selector.walk(hidden, logits, first_token, self.draft.config.dflash2.selector_top_k,
+                                                  ids, temperature)

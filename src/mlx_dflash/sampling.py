@@ -124,6 +124,8 @@ def sample_drafts(params: SamplingParams, proposer, first: mx.array, n: int, his
     greedily). A proposer without distributions (a replay) is certain: its q is one-hot."""
     if n == 0:
         return first[:0], None
+    if getattr(proposer, "selects", False) and not params.greedy and params.accept == "speculative":
+        return proposer.sample(first, n, params.temp)  # a DFlash2 draft samples through its selector
     if hasattr(proposer, "draft_logits"):
         return draft_tokens(params, proposer.draft_logits(first, n), history, first)
     drafted = proposer.propose(first, n).astype(mx.uint32)

@@ -1,0 +1,218 @@
+"""DFlash2 drafts: the format, the convolution and the selector pinned by independent
+references, an identity-initialised v2 draft proposing exactly v1's drafts, and greedy output
+equal to mlx-lm's on every family; sliding-window layers honour ``is_causal``."""
+
+import json
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+import numpy as np
+import pytest
+from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, VOCAB_SIZE, tiny_pair
+
+from mlx_dflash import DFlashError, EngineOptions, create_random_draft, generate, load_draft, save_draft
+from mlx_dflash.draft import CandidateSelector, block_conv
+from mlx_dflash.draft_cache import DraftContextCache, block_mask
+from mlx_dflash.draft_config import DFlash2Config, DraftConfig
+from mlx_dflash.proposer import DFlashProposer
+from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.target import Target
+
+V2 = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+MAX_TOKENS = 40
+
+
+def _config(model) -> dict:
+    return vars(getattr(model, "language_model", model).args)
+
+
+def trained_looking(draft, seed: int = 1):
+    """Non-identity convolutions and selector weights, as a trained v2 draft has."""
+    rng = np.random.default_rng(seed)
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = conv.base_kernel + mx.array(rng.normal(0, 0.3, conv.base_kernel.shape), mx.float32)
+            conv.kernel_projection.weight = mx.array(rng.normal(0, 0.1, conv.kernel_projection.weight.shape),
+                                                     mx.float32)
+    selector = draft.candidate_selector
+    selector.successor_codebook = mx.array(rng.normal(0, 1.0, selector.successor_codebook.shape), mx.float32)
+    selector.predecessor_codebook = mx.array(rng.normal(0, 1.0, selector.predecessor_codebook.shape), mx.float32)
+    mx.eval(draft.parameters())
+    return draft
+
+
+@pytest.mark.parametrize("taps, length", [(2, 7), (3, 5), (2, 1)])
+def test_block_conv_is_the_per_element_formula(taps, length):
+    rng = np.random.default_rng(taps)
+    hidden, group = 32, 8
+    y = rng.normal(size=(2, length, hidden)).astype(np.float32)
+    deltas = rng.normal(size=(2, length, taps, hidden // group)).astype(np.float32)
+    base = rng.normal(size=(taps, hidden)).astype(np.float32)
+    expected = np.zeros_like(y)
+    for b in range(2):
+        for t in range(length):
+            for c in range(hidden):
+                for tap in range(taps):
+                    if t - tap >= 0:  # (nothing before the block's start)
+                        expected[b, t, c] += (base[tap, c] + deltas[b, t, tap, c // group]) * y[b, t - tap, c]
+    got = block_conv(mx.array(y), mx.array(deltas), mx.array(base), group)
+    assert np.abs(np.array(got) - expected).max() < 1e-5
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_selector_walk_is_the_brute_force_one(with_ids):
+    rng = np.random.default_rng(7)
+    vocab, rank, hidden, n, k = 30, 6, 12, 5, 4
+    selector = CandidateSelector(hidden, vocab, rank)
+    selector.predecessor_codebook = mx.array(rng.normal(size=(vocab, rank)), mx.float32)
+    selector.successor_codebook = mx.array(rng.normal(size=(vocab, rank)), mx.float32)
+    h = rng.normal(size=(n, hidden)).astype(np.float32)
+    ids = np.array(rng.choice(vocab, size=12, replace=False)) if with_ids else None
+    logits = rng.normal(size=(n, 12 if with_ids else vocab)).astype(np.float32) * 3
+    got, q = selector.walk(mx.array(h), mx.array(logits), mx.array([3]), k, None if ids is None else mx.array(ids))
+    assert q is None  # (greedy)
+    g = np.array(selector.hidden_projection(mx.array(h)))
+    pred, succ = np.array(selector.predecessor_codebook), np.array(selector.successor_codebook)
+    previous, expected = 3, []
+    for t in range(n):
+        top = np.argsort(-logits[t])[:k]  # the head's top-k (local indices)
+        best = max(top, key=lambda j: logits[t][j] + float(
+            np.sum(pred[previous] * g[t] * succ[ids[j] if with_ids else j])))
+        previous = int(ids[best]) if with_ids else int(best)
+        expected.append(previous)
+    assert np.array(got).tolist() == expected
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(tiny_dir):
+    return tiny_pair(tiny_dir / "dflash2-qwen3", "qwen3", "def fib(n):\n    return", MAX_TOKENS)
+
+
+def test_an_identity_v2_draft_proposes_what_the_same_v1_draft_does(qwen3_pair):
+    """Base tap 0 = 1, tap 1 = 0, kernel projections 0, successor codebook 0: the v2 draft's
+    layers are v1's and its selector keeps the head's argmax."""
+    model, tokenizer, prompt, reference = qwen3_pair
+    v1 = create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID, seed=3)
+    v2 = create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID, seed=9, dflash2=V2)
+    v2.load_weights(list(tree_flatten(v1.parameters())), strict=False)  # (v1's weights; v2's own stay identity)
+    features = mx.random.normal((1, 20, len(v1.config.target_layer_ids) * v1.config.hidden_size), key=mx.random.key(2))
+    proposals = []
+    for draft in (v1, v2):
+        proposer = DFlashProposer(draft)
+        proposer.start(Target(model, draft.config.target_layer_ids))
+        proposer.add_context(features)
+        proposals.append(proposer.propose(mx.array([5], dtype=mx.uint32), 7).tolist())
+    assert proposals[0] == proposals[1]
+    runs = [generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS) for draft in (v1, v2)]
+    assert runs[0].tokens == runs[1].tokens == reference[:MAX_TOKENS]
+    assert runs[0].acceptance_lengths == runs[1].acceptance_lengths
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *MORE_FAMILIES])
+def test_v2_greedy_output_is_mlx_lms(tiny_dir, family):
+    """A v2 draft with non-identity convolutions and selector: fixed blocks, adaptive, the GPUs'
+    queued and compiled paths, and a sampled run through its head's distribution."""
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / f"dflash2-{family}", family, "def fib(n):", MAX_TOKENS)
+    draft = trained_looking(create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                                                dflash2=V2))
+    for adaptive in (False, True):
+        assert generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, adaptive=adaptive).tokens == reference
+    gpu_paths = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True, compile_draft=True,
+                              pack_draft=True, rowwise_products=True)  # (what GPUs run, forced here)
+    assert generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, options=gpu_paths).tokens == reference
+    sampled = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, sampling=SamplingParams(temp=1.0, top_k=1))
+    assert sampled.tokens == reference
+
+
+def test_v2_format_round_trip(qwen3_pair, tmp_path):
+    model, *_ = qwen3_pair
+    draft = trained_looking(create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                                                dflash2=V2))
+    path = save_draft(draft, tmp_path / "v2")
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert {k: config["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                    "selector_top_k", "block_size")} == {**V2.to_dict(), "block_size": 8}
+    keys = set(mx.load(str(path / "model.safetensors")))
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight", "layers.0.attention_conv.base_kernel",
+            "layers.1.mlp_conv.kernel_projection.weight"} <= keys  # (codebooks with no .weight suffix)
+    loaded = load_draft(str(path))
+    assert loaded.config.dflash2 == V2 and loaded.block_size == 8
+    for (name, a), (_, b) in zip(sorted(tree_flatten(draft.parameters())),
+                                 sorted(tree_flatten(loaded.parameters()))):
+        assert mx.array_equal(a, b).item(), name
+    # block_size inside dflash_config wins over a top-level one
+    config["block_size"] = 16
+    (path / "config.json").write_text(json.dumps(config))
+    assert load_draft(str(path)).block_size == 8
+
+
+def test_malformed_v2_drafts_fail_with_one_line(qwen3_pair, tmp_path):
+    model, *_ = qwen3_pair
+    draft = create_random_draft(_config(model), num_layers=1, block_size=8, mask_token_id=MASK_ID, dflash2=V2)
+    path = save_draft(draft, tmp_path / "v2")
+    config = json.loads((path / "config.json").read_text())
+    config["dflash_config"]["conv_group_size"] = 7
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match="not a multiple of dflash_config.conv_group_size"):
+        load_draft(str(path))
+    config["dflash_config"]["conv_group_size"] = 16
+    config["dflash_config"]["selector_rank"] = 5  # the codebooks on disk have rank 8
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match="do not match its config"):
+        load_draft(str(path))
+    weights = {k: v for k, v in mx.load(str(path / "model.safetensors")).items() if "codebook" not in k}
+    config["dflash_config"]["selector_rank"] = 8
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    with pytest.raises(DFlashError, match="do not match its config"):
+        load_draft(str(path))
+
+
+def test_scales_from_the_config_are_honoured(qwen3_pair):
+    model, *_ = qwen3_pair
+    raw = create_random_draft(_config(model), num_layers=1, mask_token_id=MASK_ID).config.to_dict()
+    raw.update(input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=3.0)
+    config = DraftConfig.from_dict(raw)
+    from mlx_dflash.draft import DFlashDraft
+
+    draft = DFlashDraft(config)
+    x = mx.array([[-10.0, 0.0, 4.0]])
+    assert mx.allclose(draft.scale_logits(x), 3.0 * mx.tanh(x * 0.5 / 3.0)).item()
+    assert mx.allclose(draft.scale_embeddings(x), 2 * x).item()
+    assert DraftConfig.from_dict(config.to_dict()).final_logit_softcapping == 3.0
+
+
+def test_sliding_windows_honour_is_causal():
+    """v1's published rule: a sliding-window layer is causal; with ``is_causal: false``
+    (DFlash2's checkpoints) the window is two-sided and the block stays non-causal."""
+    cache = DraftContextCache()
+    cache.add(mx.zeros((1, 1, 20, 4)), mx.zeros((1, 1, 20, 4)))
+    causal = np.array(block_mask(cache, 4, 8, causal=True))
+    two_sided = np.array(block_mask(cache, 4, 8, causal=False))
+    assert causal[:, 20:].tolist() == np.tril(np.ones((4, 4), bool)).tolist()
+    assert two_sided[:, 20:].all()
+    assert (causal[:, :20] == two_sided[:, :20]).all()  # the context window is the same
+    assert two_sided[0, :20].tolist() == [False] * 13 + [True] * 7  # 20 - 7 .. 19 within 8 of position 20
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "vocab_size": VOCAB_SIZE, "num_target_layers": 6, "dflash_config": {"mask_token_id": MASK_ID},
+            "layer_types": ["sliding_attention"], "sliding_window": 8}
+    assert DraftConfig.from_dict(base).causal_windows
+    assert not DraftConfig.from_dict({**base, "is_causal": False}).causal_windows
+    with pytest.raises(DFlashError, match="is_causal must be true or false"):
+        DraftConfig.from_dict({**base, "is_causal": "no"})
+
+
+def test_a_sampled_walk_draws_from_the_q_it_reports():
+    """With a temperature each slot's candidate is drawn from softmax(S / T) over the top-k,
+    and q is that distribution on the vocabulary: rows sum to 1 on exactly k ids, and the
+    drawn token is one of them."""
+    rng = np.random.default_rng(3)
+    selector = CandidateSelector(8, 20, 4)
+    selector.successor_codebook = mx.array(rng.normal(size=(20, 4)), mx.float32)
+    logits = mx.array(rng.normal(size=(3, 20)), mx.float32)
+    drafted, q = selector.walk(mx.array(rng.normal(size=(3, 8)), mx.float32), logits, mx.array([1]), 5, None, 0.8)
+    q = np.array(q)
+    assert np.allclose(q.sum(axis=1), 1.0, atol=1e-5) and ((q > 0).sum(axis=1) == 5).all()
+    assert all(q[t, d] > 0 for t, d in enumerate(np.array(drafted)))
