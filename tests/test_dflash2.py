@@ -216,3 +216,65 @@ def test_a_sampled_walk_draws_from_the_q_it_reports():
     q = np.array(q)
     assert np.allclose(q.sum(axis=1), 1.0, atol=1e-5) and ((q > 0).sum(axis=1) == 5).all()
     assert all(q[t, d] > 0 for t, d in enumerate(np.array(drafted)))
+
+
+def test_training_forward_of_blocks_equals_the_decode_pass(qwen3_pair):
+    """The training forward (many anchored blocks in one pass, each block's convolutions from
+    its own start) gives each block what the decode pass gives it over the same context."""
+    from mlx_dflash.train import context_visibility
+
+    model, *_ = qwen3_pair
+    draft = trained_looking(create_random_draft(_config(model), num_layers=2, block_size=4, mask_token_id=MASK_ID,
+                                                dflash2=V2))
+    H = draft.config.hidden_size
+    context = draft.project_context(mx.random.normal((1, 12, 2 * H), key=mx.random.key(4)))
+    anchors = mx.array([[3, 7]])
+    blocks = mx.random.normal((1, 8, H), key=mx.random.key(5))
+    together = draft.forward_blocks(blocks, context, anchors, context_visibility(anchors, 12))
+    for i, anchor in enumerate((3, 7)):
+        cache = draft.make_cache()
+        draft.store_context(context[:, :anchor], cache)
+        alone = draft(blocks[:, 4 * i : 4 * i + 4], None, cache)
+        assert mx.abs(alone - together[:, 4 * i : 4 * i + 4]).max().item() < 1e-4
+
+
+def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
+    """--arch dflash2: block loss plus the selector loss falls, the draft saves and reloads as v2;
+    with --init a v1 draft becomes its identity start."""
+    from tiny_models import load_tiny, make_tiny_target
+
+    from mlx_dflash.data import build_dataset, stdlib_prompts
+    from mlx_dflash.train import TrainConfig, train
+
+    model, tokenizer = load_tiny(make_tiny_target(tiny_dir / "dflash2-train", "qwen3"))
+    data = build_dataset(model, tokenizer, stdlib_prompts()[:12], tiny_dir / "dflash2-train-data", max_tokens=48,
+                         batch_size=6)
+    base = dict(block_size=8, mask_token_id=MASK_ID, batch_size=4, anchors=16, lr=3e-3, eval_every=0,
+                eval_prompts=0, save_every=0)
+    cfg = TrainConfig(**base, layers=1, steps=40, arch="dflash2")
+    v2_dir = train(model, tokenizer, [str(data)], str(tmp_path / "v2"), cfg)
+    losses = [h["loss"] for h in cfg.history if "loss" in h]
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+    trained = load_draft(str(v2_dir))
+    assert trained.config.dflash2 is not None
+    assert mx.abs(trained.candidate_selector.successor_codebook).max().item() > 0  # (the selector loss trains it)
+    v1_dir = train(model, tokenizer, [str(data)], str(tmp_path / "v1"), TrainConfig(**base, layers=1, steps=4))
+    tuned = train(model, tokenizer, [str(data)], str(tmp_path / "tuned"), TrainConfig(**base, steps=1, arch="dflash2"),
+                  init=str(v1_dir))
+    assert load_draft(str(tuned)).config.dflash2 is not None
+
+
+def test_a_quantized_v2_draft_with_a_draft_vocabulary_keeps_greedy_output(qwen3_pair, tmp_path):
+    """8-bit storage (expanded at load off Apple GPUs) and a draft vocabulary: the selector walks
+    the vocabulary head's top-k, mapped back to token ids."""
+    from mlx_dflash.draft_io import quantize_draft
+
+    model, tokenizer, prompt, reference = qwen3_pair
+    draft = trained_looking(create_random_draft(_config(model), num_layers=1, block_size=8, mask_token_id=MASK_ID,
+                                                dflash2=V2))
+    draft.config.draft_vocab = sorted(set(reference) | set(range(0, VOCAB_SIZE, 3)))
+    quantize_draft(draft, 8)
+    loaded = load_draft(str(save_draft(draft, tmp_path / "q8")), dtype=mx.float32)
+    assert loaded.config.dflash2 == V2 and loaded.config.draft_vocab == draft.config.draft_vocab
+    result = generate(model, tokenizer, prompt, loaded, max_tokens=MAX_TOKENS)
+    assert result.tokens == reference[:MAX_TOKENS]

@@ -260,6 +260,11 @@ def _add_train(sub) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="greedy drafts choose among the N most frequent response tokens of the data "
                         "(a smaller head, faster drafts; saved as draft_vocab.json); default: all")
+    p.add_argument("--arch", choices=["dflash", "dflash2"], default=d.arch,
+                   help="dflash2: per-token convolutions and a candidate selector (with --init DRAFT, a v1 "
+                        "draft is its identity start)")
+    p.add_argument("--selector-weight", type=float, default=d.selector_weight,
+                   help="dflash2: the selector loss's weight beside the block loss")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="dtype of the training passes (weights stay float32); default: the target's")
     p.set_defaults(func=_run_train)
@@ -279,12 +284,15 @@ def _run_train(args) -> None:
         raise DFlashError("--init starts a new run and --resume continues one: pass only one")
     if not 0 < args.lr < 1:
         raise DFlashError(f"--lr must be in (0, 1), got {args.lr}")
+    if not 0 <= args.selector_weight < 1e6:
+        raise DFlashError(f"--selector-weight must be a non-negative number, got {args.selector_weight}")
     cfg = TrainConfig(
         layers=args.layers, block_size=args.block_size, target_layer_ids=args.target_layers,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, max_len=args.max_len, lr=args.lr, eval_every=args.eval_every,
         eval_prompts=args.eval_prompts, held_out_from=args.held_out_from, save_every=args.save_every,
         seed=args.seed, time_budget=args.time_budget, draft_vocab=args.draft_vocab, compute_dtype=args.compute_dtype,
+        arch=args.arch, selector_weight=args.selector_weight,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume, init=args.init))

@@ -13,10 +13,12 @@ and saving the published format: ``draft_io.py``.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .cpu_kernels import attention, rope, swiglu
@@ -172,20 +174,26 @@ class DraftLayer(nn.Module):
 
     def __call__(self, x: mx.array, cache: DraftContextCache, mask: Optional[mx.array]) -> mx.array:
         """Decode: one block over the cached context."""
-        if "attention_conv" not in self:
-            h = x + self.self_attn(self.input_layernorm(x), cache, mask)
-            return h + self.mlp(self.post_attention_layernorm(h))
-        h = self.input_layernorm(x)
-        deltas = self.attention_conv.deltas(h)
-        x = x + self.attention_conv(self.self_attn(self.attention_conv(h, deltas, 0), cache, mask), deltas, 1)
-        h = self.post_attention_layernorm(x)
-        deltas = self.mlp_conv.deltas(h)
-        return x + self.mlp_conv(self.mlp(self.mlp_conv(h, deltas, 0)), deltas, 1)
+        return self._forward(x, lambda h: self.self_attn(h, cache, mask), x.shape[1])
 
     def forward_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array) -> mx.array:
         """Training: many blocks at once (``DraftAttention.attend_blocks``)."""
-        h = x + self.self_attn.attend_blocks(self.input_layernorm(x), context, anchors, sees_context)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attend = lambda h: self.self_attn.attend_blocks(h, context, anchors, sees_context)  # noqa: E731
+        return self._forward(x, attend, x.shape[1] // anchors.shape[1])
+
+    def _forward(self, x: mx.array, attend: Callable[[mx.array], mx.array], block_len: int) -> mx.array:
+        if "attention_conv" not in self:
+            h = x + attend(self.input_layernorm(x))
+            return h + self.mlp(self.post_attention_layernorm(h))
+        B, N, _ = x.shape
+        blocks = lambda t: t.reshape(-1, block_len, t.shape[-1])  # noqa: E731  (a convolution never crosses a block's start)
+        flat = lambda t: t.reshape(B, N, -1)  # noqa: E731
+        h = blocks(self.input_layernorm(x))
+        deltas = self.attention_conv.deltas(h)
+        x = x + flat(self.attention_conv(blocks(attend(flat(self.attention_conv(h, deltas, 0)))), deltas, 1))
+        h = blocks(self.post_attention_layernorm(x))
+        deltas = self.mlp_conv.deltas(h)
+        return x + flat(self.mlp_conv(self.mlp(self.mlp_conv(h, deltas, 0)), deltas, 1))
 
 
 class CandidateSelector(nn.Module):
@@ -352,8 +360,6 @@ class DFlashDraft(nn.Module):
         """Training forward: all anchored blocks of a batch in one pass (see ``train.py``)."""
         if self.config.layer_types and "sliding_attention" in self.config.layer_types:
             raise DFlashError("training drafts with sliding-window layers is not supported")
-        if self.config.dflash2 is not None:
-            raise DFlashError("training DFlash2 drafts is not supported yet; train a v1 draft (the default)")
         h = block_embeddings
         for layer in self.layers:
             h = layer.forward_blocks(h, context, anchors, sees_context)
@@ -397,3 +403,14 @@ def create_random_draft(
     draft = DFlashDraft(config)
     mx.eval(draft.parameters())
     return draft
+
+
+def to_dflash2(draft: DFlashDraft, dflash2: Optional[DFlash2Config] = None) -> DFlashDraft:
+    """A DFlash2 draft that proposes exactly what the v1 ``draft`` proposes: its weights, identity
+    convolutions and a zero successor codebook (the start of a v2 fine-tune, ``train --init``)."""
+    if draft.config.dflash2 is not None:
+        return draft
+    v2 = DFlashDraft(replace(draft.config, dflash2=dflash2 or DFlash2Config()))
+    v2.load_weights(list(tree_flatten(draft.parameters())), strict=False)
+    mx.eval(v2.parameters())
+    return v2

@@ -30,7 +30,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
 from .data import read_sequences
-from .draft import DFlashDraft, create_random_draft
+from .draft import DFlashDraft, create_random_draft, to_dflash2
+from .draft_config import DFlash2Config
 from .draft_io import dequantize_draft, is_quantized, load_draft, save_draft
 from .errors import DFlashError
 from .target import Target, check_compatible, float_dtype, text_args
@@ -64,6 +65,8 @@ class TrainConfig:
     time_budget: Optional[float] = None  # seconds: fewer steps when the first ones show they won't fit
     draft_vocab: Optional[int] = None  # greedy drafts choose among this many frequent response tokens
     compute_dtype: Optional[str] = None  # the passes' dtype; default: the target's (master weights stay float32)
+    arch: str = "dflash"  # or "dflash2": convolutions and a candidate selector (a fine-tune of a v1 draft with init)
+    selector_weight: float = 1.0  # DFlash2: the selector loss's weight beside the block loss
     history: list = field(default_factory=list)  # filled while training; saved with checkpoints
 
     def loss_gamma(self) -> float:
@@ -133,6 +136,8 @@ def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: n
             target = seq[a + 1 : a + bs]
             labels[b, i, : target.size] = target
             weights[b, i, : target.size] = decay[: target.size]
+    truth = np.concatenate([np.take_along_axis(tokens, anchor_pos, axis=1)[..., None], labels], axis=-1)
+    valid = weights > 0  # (before the draft vocabulary: the selector ranks any token)
     if vocab_index is not None:
         labels = vocab_index[labels]
         weights[labels < 0] = 0
@@ -146,23 +151,47 @@ def make_batch(records: list[dict], cfg: TrainConfig, mask_token_id: int, rng: n
         "sees_context": context_visibility(mx.array(anchor_pos), T),
         "labels": mx.array(labels),
         "weights": mx.array(weights),
+        "truth": mx.array(truth),  # [B, A, bs]: each block's tokens (global ids), for a selector's loss
+        "valid": mx.array(valid),
     }
 
 
 def block_loss(draft: DFlashDraft, target: Target, head: Callable[[mx.array], mx.array], batch: dict,
-               features: mx.array) -> mx.array:
+               features: mx.array, head_ids: Optional[mx.array] = None, selector_weight: float = 1.0) -> mx.array:
     """Decay-weighted cross-entropy of the draft's block predictions through ``head`` (the
-    target's, or its draft-vocabulary rows)."""
+    target's, or its draft-vocabulary rows ``head_ids``); for a DFlash2 draft plus
+    ``selector_weight`` times its selector's loss."""
     B, A = batch["anchors"].shape
     bs = draft.block_size
-    hidden = draft.forward_blocks(
-        target.embed(batch["block_tokens"]), draft.project_context(features), batch["anchors"], batch["sees_context"]
-    )
+    embeddings = draft.scale_embeddings(target.embed(batch["block_tokens"]))
+    hidden = draft.forward_blocks(embeddings, draft.project_context(features), batch["anchors"], batch["sees_context"])
     hidden = hidden.reshape(B, A, bs, -1)[:, :, 1:]
     # the head is most of the FLOPs: run it in the target's dtype (bf16 on GPUs), the loss in float32
-    logits = head(hidden.astype(features.dtype)).astype(mx.float32)
+    logits = draft.scale_logits(head(hidden.astype(features.dtype)).astype(mx.float32))
     losses = nn.losses.cross_entropy(logits, batch["labels"], reduction="none")
-    return (losses * batch["weights"]).sum() / mx.maximum(batch["weights"].sum(), 1e-6)
+    loss = (losses * batch["weights"]).sum() / mx.maximum(batch["weights"].sum(), 1e-6)
+    if draft.config.dflash2 is None:
+        return loss
+    return loss + selector_weight * selector_loss(draft, hidden.astype(mx.float32), logits, batch, head_ids)
+
+
+def selector_loss(draft: DFlashDraft, hidden: mx.array, logits: mx.array, batch: dict,
+                  head_ids: Optional[mx.array]) -> mx.array:
+    """DFlash2's selector loss: cross-entropy over each slot's top-k candidates of the true
+    token's index, the true previous token as the predecessor (teacher forcing); slots whose
+    true token is not among the candidates are skipped."""
+    selector = draft.candidate_selector
+    k = min(draft.config.dflash2.selector_top_k, logits.shape[-1])
+    local = mx.stop_gradient(mx.argpartition(-logits, k - 1, axis=-1)[..., :k])  # [B, A, n, k]
+    candidates = local if head_ids is None else head_ids[local]
+    previous, true = batch["truth"][..., :-1], batch["truth"][..., 1:]  # [B, A, n]: global ids
+    query = selector.predecessor_codebook[previous] * selector.hidden_projection(hidden)  # [B, A, n, rank]
+    scores = mx.take_along_axis(logits, local, axis=-1) + (selector.successor_codebook[candidates]
+                                                           @ query[..., None])[..., 0]
+    hit = candidates == true[..., None]
+    counted = hit.any(axis=-1) & batch["valid"]
+    losses = nn.losses.cross_entropy(scores, mx.argmax(hit, axis=-1), reduction="none")
+    return (losses * counted).sum() / mx.maximum(counted.sum(), 1)
 
 
 # ---------------------------------------------------------------------------
@@ -299,6 +328,8 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
             draft = dequantize_draft(draft, mx.float32)
         draft.set_dtype(mx.float32)
         check_compatible(draft, target_model)
+        if cfg.arch == "dflash2":
+            draft = to_dflash2(draft)  # (a v1 draft: the identity start, a fine-tune from its drafts)
         cfg.layers, cfg.block_size = draft.config.num_hidden_layers, draft.block_size
         cfg.target_layer_ids, cfg.mask_token_id = draft.config.target_layer_ids, draft.config.mask_token_id
     else:
@@ -307,6 +338,7 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         draft = create_random_draft(
             vars(text_args(target_model)), num_layers=cfg.layers, block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
+            dflash2=DFlash2Config() if cfg.arch == "dflash2" else None,
         )
         draft.config.context_window = cfg.max_len  # it never sees more context than this in training
         draft.set_dtype(mx.float32)
@@ -314,9 +346,10 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         draft.config.draft_vocab = frequent_tokens(records, cfg.draft_vocab)
     target = Target(target_model, draft.config.target_layer_ids)
     target_model.freeze()
-    head, vocab_index = target.head, None
+    head, vocab_index, head_ids = target.head, None, None
     if draft.config.draft_vocab:
-        head = target.head_rows(mx.array(draft.config.draft_vocab))
+        head_ids = mx.array(draft.config.draft_vocab)
+        head = target.head_rows(head_ids)
         vocab_index = np.full(text_args(target_model).vocab_size, -1, np.int32)
         vocab_index[draft.config.draft_vocab] = np.arange(len(draft.config.draft_vocab))
     compute_dtype = getattr(mx, cfg.compute_dtype) if cfg.compute_dtype else float_dtype(target_model)
@@ -339,7 +372,7 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         """The loss at a ``compute_dtype`` copy of the float32 master weights; its gradients
         come back in float32 (through the cast)."""
         draft.update(tree_map(lambda p: p.astype(compute_dtype), master))
-        return block_loss(draft, target, head, batch, features)
+        return block_loss(draft, target, head, batch, features, head_ids, cfg.selector_weight)
 
     loss_and_grad = mx.value_and_grad(loss_fn)
     rng = np.random.default_rng(cfg.seed + start_step + 1_000_003 * world.rank())  # own batches per process
