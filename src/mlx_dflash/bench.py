@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -110,26 +110,25 @@ def summarize(runs: list[Run], block_size: int) -> dict:
     out: dict = {}
     keys = sorted({(r.method, r.length) for r in runs}, key=lambda k: (k[1], k[0]))
     baseline = {(r.prompt, r.length): r.tokens for r in runs if r.method == "baseline"}
+    work: dict[tuple, dict[int, tuple[int, float]]] = {}  # (method, length) -> prompt -> (decoded tokens, seconds)
     for method, length in keys:
         mine = [r for r in runs if r.method == method and r.length == length]
         by_prompt: dict[int, list[Run]] = {}
         for r in mine:
             by_prompt.setdefault(r.prompt, []).append(r)
-        decode_s = {p: statistics.median(r.decode_s for r in rs) for p, rs in by_prompt.items()}
-        tokens = sum(len(rs[0].tokens) - 1 for rs in by_prompt.values())
-        decode = sum(decode_s.values())
-        rates = {p: (len(rs[0].tokens) - 1) / decode_s[p] for p, rs in by_prompt.items()}
+        work[method, length] = {p: (len(rs[0].tokens) - 1, statistics.median(r.decode_s for r in rs))
+                                for p, rs in by_prompt.items()}
         acceptance = [a for rs in by_prompt.values() for a in rs[0].acceptance_lengths]
         entry = {
             "method": method,
             "length": length,
             "prompts": len(by_prompt),
-            "decode_tokens_per_sec": tokens / decode if decode > 0 else 0.0,
+            "decode_tokens_per_sec": _rate(work[method, length]),
             "prefill_s_median": statistics.median(r.prefill_s for r in mine),
             "ttft_s_median": statistics.median(r.prefill_s for r in mine),
-            "generated_tokens": tokens + len(by_prompt),
+            "generated_tokens": sum(n for n, _ in work[method, length].values()) + len(by_prompt),
             "token_match": {p: token_match(rs[0].tokens, baseline.get((p, length), [])) for p, rs in by_prompt.items()},
-            "decode_tokens_per_sec_by_prompt": rates,
+            "decode_tokens_per_sec_by_prompt": {p: n / s for p, (n, s) in work[method, length].items()},
         }
         if acceptance:
             hist = np.bincount(acceptance, minlength=block_size + 1)[1:]
@@ -154,21 +153,16 @@ def summarize(runs: list[Run], block_size: int) -> dict:
             capped = sorted(p for (p, n), tokens in baseline.items() if n == length and len(tokens) >= length)
             entry["prompts_at_cap"] = capped
             uncapped = len(capped) < entry["prompts"]
-            entry["speedup_without_capped"] = (_rate(runs, method, length, capped) / _rate(runs, "baseline", length, capped)
-                                               if uncapped else None)
+            entry["speedup_without_capped"] = (_rate(work[method, length], capped)
+                                               / _rate(work["baseline", length], capped) if uncapped else None)
     return out
 
 
-def _rate(runs: list[Run], method: str, length: int, excluded: list[int]) -> float:
-    """Decode tokens/s of ``method`` at ``length`` over the prompts not ``excluded`` (median over
-    repeats, as ``summarize``)."""
-    by_prompt: dict[int, list[Run]] = {}
-    for r in runs:
-        if r.method == method and r.length == length and r.prompt not in excluded:
-            by_prompt.setdefault(r.prompt, []).append(r)
-    tokens = sum(len(rs[0].tokens) - 1 for rs in by_prompt.values())
-    seconds = sum(statistics.median(r.decode_s for r in rs) for rs in by_prompt.values())
-    return tokens / seconds
+def _rate(per_prompt: dict[int, tuple[int, float]], excluded: Sequence[int] = ()) -> float:
+    """Decode tokens/s over the prompts not ``excluded``: total tokens over total seconds."""
+    kept = [work for p, work in per_prompt.items() if p not in excluded]
+    seconds = sum(s for _, s in kept)
+    return sum(n for n, _ in kept) / seconds if seconds > 0 else 0.0
 
 
 def markdown_table(summary: dict) -> str:

@@ -16,16 +16,26 @@ def _add_generate(sub) -> None:
     _add_pair_flags(p)
     p.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None, help="default: the draft's trained block size")
+    _add_block_flags(p)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="apply the chat template (default: when the tokenizer has one)")
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--verbose", action="store_true", help="print per-cycle acceptance")
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="fall back to plain decoding while drafts lose (measured each cycle); same output")
     _add_sampling_flags(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_block_flags(p) -> None:
+    """--block-size and --adaptive: how generate and serve choose each cycle's block."""
+    p.add_argument("--block-size", type=int, default=None, help="largest block (default: the draft's trained size)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="fall back to plain decoding while drafts lose (measured each cycle); same output")
+
+
+def _check_block_size(block_size) -> None:
+    if block_size is not None and block_size < 1:
+        raise DFlashError(f"--block-size must be at least 1, got {block_size}")
 
 
 def _add_pair_flags(p) -> None:
@@ -89,11 +99,12 @@ def _models_list(args) -> None:
     print(f"cache: {home()}")
     for entry in REGISTRY.values():
         print(f"{entry.name:22} {entry.description} [license: {entry.license}]")
-        for folder in variants(entry.name):
+        folders = variants(entry.name)
+        for folder in folders:
             problem = damage(folder)
             state = f"damaged: {problem}; repair: mlx-dflash models fetch {entry.name}" if problem else "fetched"
             print(f"  {folder.name[len(entry.name) + 1:]:20} {state}")
-        if not variants(entry.name):
+        if not folders:
             print("  not fetched")
 
 
@@ -172,8 +183,7 @@ def _run_generate(args) -> None:
 
     if args.max_tokens < 1:
         raise DFlashError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if args.block_size is not None and args.block_size < 1:
-        raise DFlashError(f"--block-size must be at least 1, got {args.block_size}")
+    _check_block_size(args.block_size)
     _check_text(prompt=args.prompt, system=args.system, stop=args.stop)
     sampling = _sampling_from_args(args)
     model, tokenizer, draft, _ = _load_pair(args)
@@ -403,9 +413,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--context-limit", type=int, default=None,
                    help="max prompt + completion tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens a request may ask for")
-    p.add_argument("--block-size", type=int, default=None, help="largest block (default: the draft's)")
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="fall back to plain decoding while drafts lose (measured each cycle); same output")
+    _add_block_flags(p)
     p.set_defaults(func=_run_serve)
 
 
@@ -419,8 +427,7 @@ def _run_serve(args) -> None:
         raise DFlashError(f"--port must be in 1..65535, got {args.port}")
     if (args.context_limit is not None and args.context_limit < 2) or args.max_tokens_limit < 1:
         raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")
-    if args.block_size is not None and args.block_size < 1:
-        raise DFlashError(f"--block-size must be at least 1, got {args.block_size}")
+    _check_block_size(args.block_size)
     with _bound_socket(args.host, args.port) as sock:  # (checked before the model loads)
         model, tokenizer, draft, model_name = _load_pair(args)
         if args.block_size is not None and args.block_size > draft.block_size:

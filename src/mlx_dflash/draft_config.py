@@ -58,18 +58,17 @@ def _check_config_values(raw: dict, dflash: dict) -> None:
         raise DFlashError(f"draft config.json: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
     if raw.get("is_causal") is not None and not isinstance(raw["is_causal"], bool):
         raise DFlashError(f"draft config.json: is_causal must be true or false, got {raw['is_causal']!r}")
-    if dflash.get("block_size") is not None and not (_is_int(dflash["block_size"]) and dflash["block_size"] > 0):
-        raise DFlashError(f"draft config.json: dflash_config.block_size must be a positive integer, "
-                          f"got {dflash['block_size']!r}")
+    for key in ("block_size", *V2_KEYS):
+        if dflash.get(key) is not None and not (_is_int(dflash[key]) and dflash[key] > 0):
+            raise DFlashError(f"draft config.json: dflash_config.{key} must be a positive integer, got {dflash[key]!r}")
     for key in ("context_window", "context_sink"):
         if dflash.get(key) is not None and not (_is_int(dflash[key]) and dflash[key] >= 0):
             raise DFlashError(f"draft config.json: dflash_config.{key} must be a count, got {dflash[key]!r}")
     types = raw.get("layer_types")
     if types is not None and not (isinstance(types, list) and len(types) == raw["num_hidden_layers"]):
         raise DFlashError("draft config.json: layer_types must list one type per layer")
-    for key in ("rope_scaling",):
-        if raw.get(key) is not None and not isinstance(raw[key], dict):
-            raise DFlashError(f"draft config.json: {key} must be an object")
+    if raw.get("rope_scaling") is not None and not isinstance(raw["rope_scaling"], dict):
+        raise DFlashError("draft config.json: rope_scaling must be an object")
 
 
 @dataclass
@@ -237,11 +236,7 @@ class DFlash2Config:
         architectures = raw.get("architectures") or []
         if "DFlash2DraftModel" not in architectures and not any(k in dflash for k in V2_KEYS):
             return None
-        config = cls(**{k: dflash[k] for k in V2_KEYS if k in dflash})
-        for key in V2_KEYS:
-            value = getattr(config, key)
-            if not (_is_int(value) and value > 0):
-                raise DFlashError(f"draft config.json: dflash_config.{key} must be a positive integer, got {value!r}")
+        config = cls(**{k: dflash[k] for k in V2_KEYS if dflash.get(k) is not None})  # (checked by _check_config_values)
         if raw["hidden_size"] % config.conv_group_size:
             raise DFlashError(f"draft config.json: hidden_size ({raw['hidden_size']}) is not a multiple of "
                               f"dflash_config.conv_group_size ({config.conv_group_size})")

@@ -105,10 +105,11 @@ class BlockRunner:
             logits, features = self.target(first[None], self.cache)
             tokens = mx.argmax(logits[0], axis=-1)
         else:
-            drafted, q, guess = self._draft(first, n)
+            history = self._history()
+            drafted, q, guess = self._draft(first, n, history)
             block = mx.concatenate([first, drafted])
             logits, features = self.target(block[None], self.cache)
-            tokens, accepted = verify(self.sampling, logits[0], self._history(), block, drafted, q)
+            tokens, accepted = verify(self.sampling, logits[0], history, block, drafted, q)
         if forecast:
             guess = self.proposer.propose(first, self.block_size - 1)
         mx.async_eval(tokens, features, *(x for x in (accepted, guess) if x is not None))
@@ -116,16 +117,17 @@ class BlockRunner:
         self.clock.add_launch(seconds)
         return Block(tokens, accepted, features, guess, seconds)
 
-    def _draft(self, first: mx.array, n: int) -> tuple[mx.array, Optional[mx.array], Optional[mx.array]]:
+    def _draft(self, first: mx.array, n: int, history: Optional[mx.array]
+               ) -> tuple[mx.array, Optional[mx.array], Optional[mx.array]]:
         """(drafted tokens, their distributions q or None, guesses past them or None)."""
         if self.sampling is not None:
-            return (*sample_drafts(self.sampling, self.proposer, first, n, self._history(), self.target.vocab_size),
-                    None)
+            return (*sample_drafts(self.sampling, self.proposer, first, n, history, self.target.vocab_size), None)
         peek = self.policy is not None and n + 1 < self.block_size  # one slot past a short block
         drafted = self.proposer.propose(first, n + peek).astype(mx.uint32)
         return drafted[:n], None, drafted[n:] if peek else None
 
     def _history(self) -> Optional[mx.array]:
+        """The committed tokens as an array, where logits processors read them."""
         if self.sampling is None or not self.sampling.logits_processors:
             return None
         return mx.array(self.history, dtype=mx.uint32)

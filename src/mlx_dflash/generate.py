@@ -77,9 +77,9 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> mx.array:
     if chat or is_messages:
         if getattr(tokenizer, "chat_template", None) is None:
             raise DFlashError("the tokenizer has no chat template: pass a plain prompt")
-        messages = prompt if is_messages else [{"role": "user", "content": prompt}]
-        if not all(isinstance(m, dict) for m in messages) or (not is_messages and not isinstance(prompt, str)):
+        if not is_messages and not isinstance(prompt, str):
             raise DFlashError("chat needs a text prompt or a list of {'role', 'content'} messages")
+        messages = prompt if is_messages else [{"role": "user", "content": prompt}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     elif isinstance(prompt, str):
         bos = tokenizer.bos_token

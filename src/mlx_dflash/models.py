@@ -186,26 +186,20 @@ def clean_partials() -> list[Path]:
     still running; also 0.1's ``tmp*`` folders, which carried no process id."""
     removed = []
     for parent in (home() / "gguf", home() / "models"):
-        for path in parent.glob(".partial-*") if parent.is_dir() else []:
-            pid = path.name.split("-")[1]
-            if not (pid.isdigit() and _alive(int(pid))):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-        for path in parent.glob("tmp*") if parent.is_dir() else []:
-            if path.is_dir():
+        for path in [*parent.glob(".partial-*"), *parent.glob("tmp*")] if parent.is_dir() else []:
+            pid = path.name.split("-")[1] if path.name.startswith(".partial-") else ""
+            if path.is_dir() and not (pid.isdigit() and _alive(int(pid))):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
 
 
 def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # (someone else's process)
         return True
     return True
 

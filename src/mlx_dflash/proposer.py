@@ -8,7 +8,7 @@ planted mistakes.
 
 from __future__ import annotations
 
-from typing import Protocol, Union
+from typing import Optional, Protocol, Union
 
 import mlx.core as mx
 
@@ -104,7 +104,7 @@ class DFlashProposer:
         head = self.target.head if self.vocab_head is None else self.vocab_head
         logits = self.draft.scale_logits(head(hidden))
         if self.selects:
-            return self._walk(hidden, logits, first_token)[0]
+            return self._walk(hidden, logits, first_token, self.draft_vocab)[0]
         drafted = mx.argmax(logits, axis=-1)
         return drafted if self.draft_vocab is None else self.draft_vocab[drafted]
 
@@ -118,9 +118,10 @@ class DFlashProposer:
         the candidates of each slot)."""
         hidden = self._slot_hidden(first_token, num_tokens)[0]
         logits = self.draft.scale_logits(self.target.head(hidden))  # (the full head: q must be the drafts' own)
-        return self._walk(hidden, logits, first_token, temperature)
+        return self._walk(hidden, logits, first_token, None, temperature)
 
-    def _walk(self, hidden: mx.array, logits: mx.array, first_token: mx.array, temperature: float = 0.0):
-        ids = self.draft_vocab if logits.shape[-1] != self.draft.config.vocab_size else None
+    def _walk(self, hidden: mx.array, logits: mx.array, first_token: mx.array, ids: Optional[mx.array],
+              temperature: float = 0.0) -> tuple[mx.array, Optional[mx.array]]:
+        """The selector over ``logits`` (columns: ``ids``, or the whole vocabulary)."""
         return self.draft.candidate_selector.walk(hidden, logits, first_token, self.draft.config.dflash2.selector_top_k,
                                                   ids, temperature)

@@ -138,12 +138,9 @@ def verify(params: Optional[SamplingParams], logits: mx.array, history: Optional
            drafted: mx.array, q: Optional[mx.array]) -> tuple[mx.array, mx.array]:
     """(tokens [bs], a): the first a + 1 tokens are committed (a accepted drafts + bonus).
     ``params=None`` is plain greedy: the target's own choice after each slot."""
-    if params is None:
-        choice = mx.argmax(logits, axis=-1)
-        return choice, matching_prefix(drafted, choice)
-    processed = params.process(logits, history, block)
-    if params.greedy:
-        choice = mx.argmax(processed, axis=-1).astype(mx.uint32)
+    processed = logits if params is None else params.process(logits, history, block)
+    if params is None or params.greedy:
+        choice = mx.argmax(processed, axis=-1)
         return choice, matching_prefix(drafted, choice)
     p = params.probabilities(processed)
     if q is None:  # exact match against a sample of the target

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .generate import stream_generate
+from .generate import encode_prompt, stream_generate
 from .errors import DFlashError
 from .policy import BlockPolicy
 from .sampling import MAX_SEED, SamplingParams
@@ -102,7 +102,7 @@ def _chat_prompt(served: Served, messages: Any) -> list[int]:
     if not all(isinstance(m, dict) and m.get("role") in ROLES for m in messages):
         raise RequestError(400, "each message needs a 'role' (system, user or assistant)", "messages")
     turns = [{"role": m["role"], "content": _content(m.get("content"))} for m in messages]
-    return list(served.tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+    return encode_prompt(served.tokenizer, turns).tolist()
 
 
 def _sampling(body: dict) -> Optional[SamplingParams]:
