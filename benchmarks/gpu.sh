@@ -3,7 +3,11 @@
 #   default-f32   the default pair, target in float32 (token for token mlx-lm's), HumanEval
 #   default-bf16  the same in bfloat16
 #   scale         a Qwen3.5-9B-shaped target (random bf16 weights), replay of mean acceptance 6.5
-# Usage: bash benchmarks/gpu.sh [PART ...]   (default: all three)
+#   cold          the same replay in fresh processes with an empty kernel cache (MLX_PTX_CACHE_DIR):
+#                 mlx-lm, DFlash, DFlash after its warm-up, and DFlash again with the kernels on disk
+#   floor         a useless draft (replay of mean acceptance 1) at the Qwen3-4B and 8B shapes,
+#                 128/256/1,024 tokens: what the adaptive policy keeps of mlx-lm's speed
+# Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (16), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
 # Needs MLX with GPU support (pip install "mlx[cuda13]" on NVIDIA) and the package installed;
@@ -28,6 +32,17 @@ for part in "${PARTS[@]}"; do
     scale)
       mlx-dflash bench --scale qwen3.5-9b --replay-mean 6.5 --num-prompts 1 --lengths $LENGTHS \
         --out "$RESULTS/scale" | tee "$RESULTS/scale.md" ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale)" >&2; exit 2 ;;
+    cold)
+      kernels=$(mktemp -d)
+      MLX_PTX_CACHE_DIR=$(mktemp -d) python3 tools/cold_start.py --method mlx-lm --generations 2 | tee "$RESULTS/cold.jsonl"
+      MLX_PTX_CACHE_DIR=$(mktemp -d) python3 tools/cold_start.py --method dflash --generations 2 | tee -a "$RESULTS/cold.jsonl"
+      MLX_PTX_CACHE_DIR=$kernels python3 tools/cold_start.py --method dflash --warmup --generations 2 | tee -a "$RESULTS/cold.jsonl"
+      MLX_PTX_CACHE_DIR=$kernels python3 tools/cold_start.py --method dflash --warmup --generations 2 | tee -a "$RESULTS/cold.jsonl" ;;
+    floor)
+      for shape in qwen3-4b qwen3-8b; do
+        mlx-dflash bench --scale $shape --replay-mean 1 --num-prompts 3 --lengths 128 256 1024 \
+          --out "$RESULTS/floor-$shape" | tee "$RESULTS/floor-$shape.md"
+      done ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor)" >&2; exit 2 ;;
   esac
 done

@@ -239,6 +239,7 @@ def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer,
     lengths 1..b at block size b, running the real draft each cycle, covers every cycle shape
     of that size.
     """
+    from . import warmup
     from .draft import DFlashDraft
     from .proposer import DFlashProposer
     from .policy import candidate_sizes
@@ -248,6 +249,8 @@ def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer,
     if _is_factory(proposer):  # replay factory: build one to reach its cost model
         proposer = proposer(list(prompt) + reference)
     real = DFlashProposer(proposer) if isinstance(proposer, DFlashDraft) else getattr(proposer, "cost_of", None)
+    if real is not None:  # every path once, long contexts and sampling included
+        warmup.warm_up(model, real, block_size)
     vocab = text_args(model).vocab_size
     for size in candidate_sizes(block_size or proposer.block_size):
         schedule = list(range(size - 1)) + [None]

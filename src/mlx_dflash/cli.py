@@ -22,6 +22,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--verbose", action="store_true", help="print per-cycle acceptance")
+    p.add_argument("--warmup", action="store_true",
+                   help="run every decoding path once first: on a GPU the generation then builds no kernels")
     _add_sampling_flags(p)
     p.set_defaults(func=_run_generate)
 
@@ -189,9 +191,12 @@ def _run_generate(args) -> None:
     model, tokenizer, draft, _ = _load_pair(args)
     prompt = _format_prompt(tokenizer, args.prompt, args.chat, args.system)
     acceptance = []
+    if args.warmup:
+        print("warming up (the first run on a GPU compiles its kernels) ...", file=sys.stderr, flush=True)
     for response in stream_generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
                                     block_size=args.block_size, stop=args.stop, sampling=sampling,
-                                    adaptive=args.adaptive, prompt_progress=_prefill_progress()):
+                                    adaptive=args.adaptive, prompt_progress=_prefill_progress(),
+                                    warmup=args.warmup):
         print(response.text, end="", flush=True)
         if response.acceptance_length is not None:
             acceptance.append(response.acceptance_length)
@@ -378,9 +383,9 @@ def _run_bench(args) -> None:
         bs = draft.block_size
         prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.random.key(i)).tolist()
                    for i in range(args.num_prompts)]
-        proposers = {f"dflash_replay_mean{m}": functools.partial(
+        proposers = {f"dflash_replay_mean{m}{policy}": functools.partial(
             ReplayProposer, block_size=bs, schedule=geometric_schedule(m, bs), vocab_size=config["vocab_size"],
-            cost_of=DFlashProposer(draft)) for m in args.replay_mean}
+            cost_of=DFlashProposer(draft)) for m in args.replay_mean for policy in ("", "_adaptive")}
         if not args.costs_only:
             print(markdown_table(run_bench(model, tokenizer, prompts, proposers, cfg, out_dir=out)))
         out.mkdir(parents=True, exist_ok=True)
@@ -413,6 +418,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--context-limit", type=int, default=None,
                    help="max prompt + completion tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens a request may ask for")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="run every decoding path once before serving (on a GPU: builds its kernels)")
     _add_block_flags(p)
     p.set_defaults(func=_run_serve)
 
@@ -436,6 +443,11 @@ def _run_serve(args) -> None:
         context = min(args.context_limit or model_context, model_context)
         served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context),
                         adaptive=args.adaptive, block_size=args.block_size)
+        if args.warmup:
+            from .warmup import warm_up
+
+            print("warming up (the first run on a GPU compiles its kernels) ...", file=sys.stderr, flush=True)
+            print(f"warmed up in {warm_up(model, draft, args.block_size):.1f}s", file=sys.stderr)
         config = uvicorn.Config(create_app(served), log_level="info")
         print(f"serving {model_name} on http://{args.host}:{args.port}", file=sys.stderr)
         uvicorn.Server(config).run(sockets=[sock])

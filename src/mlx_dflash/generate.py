@@ -18,6 +18,7 @@ from .policy import BlockPolicy
 from .proposer import DFlashProposer, Proposer
 from .sampling import SamplingParams
 from .target import Target, check_compatible, context_length
+from .warmup import warm_up
 
 CONTINUATION_TOKENS = 4  # prompt tokens a continuation's detokenizer is primed with
 
@@ -123,6 +124,7 @@ def stream_generate(
     chat: bool = False,
     continuation: bool = False,
     prompt_progress: Optional[ProgressCallback] = None,
+    warmup: bool = False,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
@@ -139,6 +141,8 @@ def stream_generate(
     same seed must give the same text. A ``BlockPolicy`` instead of True keeps the costs it
     measured for the next call (a server's or a benchmark's many generations).
     ``options``: how the engine runs (``options.py``; the output does not depend on them).
+    ``warmup``: first run every path of a generation once (``warmup.py``), so that on a GPU
+    the first generation of a process does not compile kernels while it is timed.
     """
     target, proposer = make_proposer(model, draft, options)
     block_size = proposer.block_size if block_size is None else block_size
@@ -146,6 +150,8 @@ def stream_generate(
         raise DFlashError(f"block size must be in 1..{proposer.block_size} (the draft's), got {block_size}")
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
+    if warmup:
+        warm_up(model, proposer, block_size, options)
     stops = [s for s in (stop or []) if s]
     hold_back = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
     prompt = encode_prompt(tokenizer, prompt, chat)

@@ -1,0 +1,106 @@
+"""Warm-up: run every path a generation can take once, before the first one is timed.
+
+MLX's CUDA backend compiles each kernel the first time it meets it (tens of kernels for a
+DFlash pair, seconds each) and keeps them on disk (``MLX_PTX_CACHE_DIR``, by default
+``<temp dir>/mlx/<version>/ptx``); a fresh process still loads them, traces the compiled blocks
+and captures their graphs on first use. Without a warm-up all of that lands in the first
+generation. A kernel's identity depends on the graph (fused ops, dtypes), not on its sizes, so
+one short run of each path suffices: every block size the adaptive policy picks, a plain step
+with and without a forecast, blocks queued behind blocks, a context long enough that block
+attention leaves our CUDA kernel for MLX's (``cuda_attention.MAX_HEADS_TIMES_KEYS``), and
+temperature sampling. The warm-up uses caches of its own: no output token depends on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cuda_attention import MAX_HEADS_TIMES_KEYS
+from .device import on_cuda
+from .draft import DFlashDraft
+from .engine import decode_cycles
+from .options import DEFAULT_OPTIONS, EngineOptions
+from .policy import candidate_sizes
+from .proposer import Proposer
+from .sampling import SamplingParams
+from .target import Target, context_length
+
+SHORT_PROMPT = 16
+REPEATS = 3  # cycles of each size: the first after a read count, then queued behind its own size
+
+
+class ScriptedSizes:
+    """Stands in for ``BlockPolicy``: picks the sizes of ``script`` in turn (1 after it ends);
+    a plain step marked 0 carries a forecast. Learns nothing."""
+
+    def __init__(self, script: list[int]):
+        self.script, self.wants_forecast = list(script), False
+
+    def choose(self, limit: Optional[int] = None) -> int:
+        size = self.script.pop(0) if self.script else 1
+        self.wants_forecast = size == 0
+        return max(min(size, limit or size), 1)
+
+    def record_cycle(self, block: int, committed: list[int], seconds: float, guess: Optional[list[int]]) -> None:
+        pass
+
+
+def adaptive_script(block_size: int) -> list[int]:
+    """Each candidate size, largest first, ``REPEATS`` times; plain steps with a forecast and
+    without; then a block again right after plain steps."""
+    sizes = [size for size in reversed(candidate_sizes(block_size)) if size > 1]
+    return [size for size in sizes for _ in range(REPEATS)] + [0, 1, 1, block_size, block_size]
+
+
+def long_prompt_length(target: Target, proposer: Proposer) -> int:
+    """A context past which every block's attention (the target's and the draft's) takes MLX's
+    kernels instead of ours (0: no such switch on this backend)."""
+    if not on_cuda():
+        return 0
+    heads = [target.args.num_attention_heads]
+    draft = getattr(proposer, "draft", None)
+    if draft is not None:
+        heads.append(draft.config.num_attention_heads)
+    return MAX_HEADS_TIMES_KEYS // min(heads) + 1
+
+
+def run_path(target: Target, proposer: Proposer, prompt_length: int, block_size: int,
+             sampling: Optional[SamplingParams] = None, script: Optional[list[int]] = None) -> list[int]:
+    """Decode after a made-up prompt: ``REPEATS`` blocks of ``block_size``, or the sizes of
+    ``script`` (see ``ScriptedSizes``); returns the sizes of the cycles run."""
+    prompt = (mx.arange(prompt_length) * 7919 + 11) % target.vocab_size  # any ids will do
+    policy = ScriptedSizes(script) if script is not None else None
+    cycles = len(script) if script is not None else REPEATS
+    max_tokens = 1 + (cycles + 1) * block_size  # (never the limit: the script's sizes stay whole)
+    stream = decode_cycles(target, proposer, prompt.astype(mx.uint32), max_tokens, block_size, sampling, policy)
+    return [cycle.block_size for cycle in itertools.islice(stream, cycles + 1)][1:]  # (after the prefill's token)
+
+
+def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: Optional[int] = None,
+            options: EngineOptions = DEFAULT_OPTIONS, sampling: bool = True) -> float:
+    """Run each path of a generation with ``draft`` once (``sampling``: temperature sampling
+    too); returns the seconds it took."""
+    from .generate import make_proposer
+
+    tic = time.perf_counter()
+    target, proposer = make_proposer(model, draft, options)
+    block_size = block_size or proposer.block_size
+    room = (context_length(model) or 1 << 30) - 1
+    short = min(SHORT_PROMPT, room // 2)
+    run_path(target, proposer, short, block_size, script=adaptive_script(block_size))
+    run_path(target, proposer, short, block_size)  # fixed blocks
+    run_path(target, proposer, short, 1)  # plain steps, no policy
+    longest = long_prompt_length(target, proposer)
+    if longest and longest + 2 * block_size < room:
+        run_path(target, proposer, longest, block_size, script=[block_size, block_size, 0, 1, block_size])
+    if sampling and hasattr(proposer, "draft_logits"):
+        temperature = SamplingParams(temp=1.0)
+        run_path(target, proposer, short, block_size, sampling=temperature)
+        run_path(target, proposer, short, 1, sampling=temperature)
+    mx.synchronize()
+    return time.perf_counter() - tic

@@ -1,0 +1,76 @@
+"""The warm-up (warmup.py) runs every path of a generation once and changes no output token:
+greedy output stays mlx-lm's, seeded sampling stays what the same seed gives without it,
+with the GPU's paths (queued blocks, compiled blocks, padded reads) forced on this CPU."""
+
+import json
+
+import pytest
+from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
+
+from mlx_dflash import EngineOptions, create_random_draft, generate
+from mlx_dflash import warmup as warmup_module
+from mlx_dflash.cli import main
+from mlx_dflash.generate import make_proposer
+from mlx_dflash.policy import candidate_sizes
+from mlx_dflash.sampling import SamplingParams
+
+GPU_PATHS = EngineOptions(queue_ahead=True, compile_blocks=True, pad_reads=True)
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text", "qwen3_5"])
+def pair(request, tiny_dir):
+    path = make_tiny_target(tiny_dir / f"warmup-{request.param}", request.param)
+    model, tokenizer = load_tiny(path)
+    tokenizer.eos_token_ids = set()
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, block_size=8, mask_token_id=MASK_ID)
+    prompt = tokenizer.encode("def add(a, b):")
+    return path, model, tokenizer, draft, prompt, greedy_reference(model, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("options", [GPU_PATHS, EngineOptions()], ids=["gpu-paths", "default"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_warmup_changes_no_greedy_token(pair, options, adaptive):
+    _, model, tokenizer, draft, prompt, reference = pair
+    result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, adaptive=adaptive, options=options,
+                      warmup=True)
+    assert result.tokens == reference
+
+
+def test_warmup_changes_no_seeded_sample(pair):
+    _, model, tokenizer, draft, prompt, _ = pair
+    sampling = SamplingParams(temp=0.8, seed=7)
+    runs = [generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, sampling=sampling, options=GPU_PATHS,
+                     warmup=warm).tokens for warm in (False, True, False)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_the_script_runs_every_size_the_policy_picks(pair):
+    _, model, _, draft, _, _ = pair
+    target, proposer = make_proposer(model, draft, GPU_PATHS)
+    script = warmup_module.adaptive_script(8)
+    sizes = warmup_module.run_path(target, proposer, 16, 8, script=script)
+    assert sizes[: len(script)] == [max(size, 1) for size in script]
+    assert set(sizes) == set(candidate_sizes(8)) and 0 in script  # (0: a plain step with a forecast)
+    assert warmup_module.run_path(target, proposer, 16, 1) == [1] * warmup_module.REPEATS
+
+
+def test_long_context_only_where_block_attention_switches_kernels(pair, monkeypatch):
+    _, model, _, draft, _, _ = pair
+    target, proposer = make_proposer(model, draft)
+    assert warmup_module.long_prompt_length(target, proposer) == 0  # (the CPU has one attention path)
+    monkeypatch.setattr(warmup_module, "on_cuda", lambda: True)
+    heads = min(target.args.num_attention_heads, draft.config.num_attention_heads)
+    assert warmup_module.long_prompt_length(target, proposer) == warmup_module.MAX_HEADS_TIMES_KEYS // heads + 1
+
+
+def test_cli_warmup_flag(pair, tmp_path, capsys):
+    path, model, tokenizer, draft, prompt, reference = pair
+    from mlx_dflash import save_draft
+
+    draft_path = save_draft(draft, tmp_path / "draft")
+    main(["generate", "--model", str(path), "--draft", str(draft_path), "--prompt", "def add(a, b):", "--no-chat",
+          "--max-tokens", "6", "--warmup"])
+    err = capsys.readouterr().err
+    assert "warming up" in err
