@@ -1,6 +1,7 @@
 """The maintained profiling tools in tools/ run (a smoke test each, on a tiny pair) and explain themselves."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,14 @@ def test_cycle_timeline(pair, tmp_path):
 def test_policy_simulation():
     out = run_tool("policy_simulation.py", "--cycles", "40")
     assert out.count("tokens per plain step's cost") == 10
+
+
+def test_cold_start(tmp_path):
+    env_folder = tmp_path / "kernels"
+    done = subprocess.run([sys.executable, str(TOOLS / "cold_start.py"), "--shape", "tiny", "--length", "8",
+                           "--prompt-len", "8", "--generations", "2"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MLX_PTX_CACHE_DIR": str(env_folder)})
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [line["generation"] for line in lines] == [1, 2]
+    assert all(line["greedy_as_expected"] and line["decode_tok_s"] > 0 for line in lines)
