@@ -1,7 +1,6 @@
 """The OpenAI-compatible server, for real: uvicorn on loopback, the official client, raw HTTP."""
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +9,7 @@ import httpx
 import pytest
 import uvicorn
 from openai import OpenAI
-from tiny_models import MASK_ID, load_tiny, make_tiny_target
+from tiny_models import MASK_ID, free_port, load_tiny, make_tiny_target, wait_until_healthy
 
 from mlx_dflash import create_random_draft, generate
 from mlx_dflash.server import Served, create_app
@@ -26,20 +25,13 @@ def server(tiny_dir):
     tokenizer.eos_token_ids = set()  # random weights: generate to max_tokens
     config = json.loads((path / "config.json").read_text())
     draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     app = create_app(Served(model, tokenizer, draft, NAME, CONTEXT, 1800))
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
+    wait_until_healthy(base, 10)
     yield base, model, tokenizer, draft
     uv.should_exit = True
     thread.join(timeout=10)

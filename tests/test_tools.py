@@ -59,3 +59,11 @@ def test_cold_start(tmp_path):
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert [line["generation"] for line in lines] == [1, 2]
     assert all(line["greedy_as_expected"] and line["decode_tok_s"] > 0 for line in lines)
+
+
+def test_shard_costs():
+    launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2"]
+    done = subprocess.run([*launch, "--", sys.executable, str(TOOLS / "shard_costs.py"), "--hidden", "64", "--layers", "2",
+                           "--iters", "2"], capture_output=True, text=True, timeout=120)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(line["processes"], line["rows"]) for line in lines] == [(2, 1), (2, 16)], done.stdout + done.stderr

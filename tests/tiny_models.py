@@ -119,3 +119,26 @@ def tiny_pair_files(folder: Path, family: str, block_size: int = 16, **overrides
     config = json.loads((target / "config.json").read_text())
     draft = create_random_draft(config, num_layers=1, block_size=block_size, mask_token_id=MASK_ID)
     return str(target), str(save_draft(draft, folder / "draft"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(base: str, seconds: float) -> None:
+    """Poll ``base``/health until a server answers (or ``seconds`` pass)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.1)

@@ -173,11 +173,47 @@ def _prefill_progress():
 
 
 def _load_pair(args):
-    """(model, tokenizer, draft, name) from --model, --draft, --draft-quant and --draft-window."""
+    """(model, tokenizer, draft, name) from --model, --draft, --draft-quant and --draft-window;
+    under ``mlx.launch`` the target is sharded over its processes, and only process 0 prints."""
     from .models import DEFAULT_MODEL
     from .pair import load
 
-    return (*load(args.model, args.draft, args.draft_quant, args.draft_window), args.model or DEFAULT_MODEL)
+    group = _quiet_other_ranks()
+    return (*load(args.model, args.draft, args.draft_quant, args.draft_window, group), args.model or DEFAULT_MODEL)
+
+
+def _quiet_other_ranks():
+    """The processes of ``mlx.launch`` (None for one process); all but process 0 print nothing."""
+    from .distributed import world
+
+    group = world()
+    if group is not None and group.rank() > 0:
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # (process 0 reports errors too: they are alike)
+    return group
+
+
+def _replay_pair(args, group):
+    """bench --replay: the target, its tokenizer, and the draft whose pass each cycle runs for
+    its cost (--draft, or a random one of --draft-layers layers shaped after the target)."""
+    from .draft_io import load_draft
+    from .models import DEFAULT_MODEL
+    from .scale import random_draft
+    from .target import float_dtype, load_target, text_args
+
+    model, tokenizer = load_target(args.model or DEFAULT_MODEL, group)
+    if args.draft:
+        return model, tokenizer, load_draft(args.draft, dtype=float_dtype(model))
+    draft = random_draft(vars(text_args(model)), layers=args.draft_layers, block_size=args.block_size or 16)
+    draft.set_dtype(float_dtype(model))
+    return model, tokenizer, draft
+
+
+def _sharding_note(model) -> str:
+    """' | tensor-parallel over N processes' for a sharded target, else ''."""
+    from .distributed import describe, sharding_group
+
+    group = sharding_group(model)
+    return "" if group is None else f" | {describe(group)}"
 
 
 def _run_generate(args) -> None:
@@ -203,7 +239,7 @@ def _run_generate(args) -> None:
             if args.verbose:
                 print(f"[{response.acceptance_length}]", end="", file=sys.stderr, flush=True)
     print()
-    print(generate_text_stats(response, acceptance, args.block_size or draft.block_size))
+    print(generate_text_stats(response, acceptance, args.block_size or draft.block_size) + _sharding_note(model))
 
 
 def _add_data(sub) -> None:
@@ -332,9 +368,12 @@ def _add_bench(sub) -> None:
     p.add_argument("--scale", default=None, help="scale mode: a random-weight target of this shape "
                    "(qwen3-4b/8b/14b, qwen3.5-4b/9b/27b) with a replay draft")
     p.add_argument("--quant", type=int, choices=[4, 8], default=None, help="scale mode: quantize the target")
+    p.add_argument("--replay", action="store_true",
+                   help="a real target with replayed proposals (mean acceptance --replay-mean; the draft, or a random "
+                        "one of --draft-layers layers, runs each cycle for its cost): the engine's cost at that acceptance")
     p.add_argument("--replay-mean", type=float, nargs="+", default=[6.5],
-                   help="scale mode: mean acceptance length(s) of the replay")
-    p.add_argument("--draft-layers", type=int, default=5, help="scale mode: layers of the random draft")
+                   help="scale mode and --replay: mean acceptance length(s) of the replay")
+    p.add_argument("--draft-layers", type=int, default=5, help="scale mode and --replay: layers of the random draft")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="scale mode: the random draft drafts from this many token ids (a draft vocabulary)")
     p.add_argument("--prompt-len", type=int, default=128, help="scale mode: random prompt length")
@@ -345,12 +384,12 @@ def _add_bench(sub) -> None:
 
 
 def _run_bench(args) -> None:
-    import functools
     import json
     from pathlib import Path
 
     from .bench import BenchConfig, humaneval_prompts, markdown_table, run_bench
     from .data import encode_chat, read_prompts
+    from .replay import replay_methods
 
     for name in ("num_prompts", "repeats", "num_draft_tokens", "prompt_len", "draft_layers"):
         if getattr(args, name) < 1:
@@ -362,16 +401,15 @@ def _run_bench(args) -> None:
     cfg = BenchConfig(lengths=args.lengths, repeats=args.repeats, warmup=not args.no_warmup,
                       no_eos=args.no_eos or bool(args.scale), block_size=args.block_size,
                       num_draft_tokens=args.num_draft_tokens, baselines_first=args.baselines_first)
-    out = Path(args.out)
+    group = _quiet_other_ranks()
+    out = Path(args.out) if group is None or group.rank() == 0 else None  # (one writer)
     if args.scale:
         import mlx.core as mx
 
-        from .proposer import DFlashProposer
         from .pair import set_draft_window
-        from .replay import ReplayProposer, geometric_schedule
         from .scale import cycle_costs, null_tokenizer, random_draft, random_target
 
-        model, config = random_target(args.scale, args.quant)
+        model, config = random_target(args.scale, args.quant, group=group)
         tokenizer = null_tokenizer(config["vocab_size"])
         draft = random_draft(config, layers=args.draft_layers, block_size=args.block_size or 16,
                              vocab=args.draft_vocab)
@@ -383,26 +421,31 @@ def _run_bench(args) -> None:
         bs = draft.block_size
         prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.random.key(i)).tolist()
                    for i in range(args.num_prompts)]
-        proposers = {f"dflash_replay_mean{m}{policy}": functools.partial(
-            ReplayProposer, block_size=bs, schedule=geometric_schedule(m, bs), vocab_size=config["vocab_size"],
-            cost_of=DFlashProposer(draft)) for m in args.replay_mean for policy in ("", "_adaptive")}
+        proposers = replay_methods(draft, args.replay_mean, config["vocab_size"])
         if not args.costs_only:
             print(markdown_table(run_bench(model, tokenizer, prompts, proposers, cfg, out_dir=out)))
+        if out is None:
+            return
         out.mkdir(parents=True, exist_ok=True)
         costs = [cycle_costs(model, draft, n, bs) for n in sorted({args.prompt_len, *args.lengths})]
         (out / "cycle_costs.json").write_text(json.dumps(costs, indent=1))
         for c in costs:
             print(json.dumps(c))
         return
-    from .target import load_target
+    from .target import load_target, text_args
 
-    model, tokenizer, draft, _ = _load_pair(args)
+    if args.replay:
+        model, tokenizer, draft = _replay_pair(args, group)
+    else:
+        model, tokenizer, draft, _ = _load_pair(args)
     ar_draft = load_target(args.ar_draft)[0] if args.ar_draft else None
     texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
     texts = texts[: args.num_prompts]
     prompts = [encode_chat(tokenizer, t) if args.chat else tokenizer.encode(t) for t in texts]
     sampling = _sampling_from_args(args)
     proposers = {"dflash": draft, "dflash_adaptive": draft}
+    if args.replay:
+        proposers = replay_methods(draft, args.replay_mean, text_args(model).vocab_size)
     if not sampling.greedy:  # the exact-match scheme of earlier engines, for comparison
         proposers["dflash_match"] = draft
     cfg.sampling = sampling
@@ -435,6 +478,12 @@ def _run_serve(args) -> None:
     if (args.context_limit is not None and args.context_limit < 2) or args.max_tokens_limit < 1:
         raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")
     _check_block_size(args.block_size)
+    from .distributed import send_job, world
+
+    group = world()
+    if group is not None and group.rank() > 0:  # a sharded target's other processes: follow process 0
+        _follow(args)
+        return
     with _bound_socket(args.host, args.port) as sock:  # (checked before the model loads)
         model, tokenizer, draft, model_name = _load_pair(args)
         if args.block_size is not None and args.block_size > draft.block_size:
@@ -442,15 +491,36 @@ def _run_serve(args) -> None:
         model_context = context_length(model) or 4096
         context = min(args.context_limit or model_context, model_context)
         served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context),
-                        adaptive=args.adaptive, block_size=args.block_size)
-        if args.warmup:
-            from .warmup import warm_up
-
-            print("warming up (the first run on a GPU compiles its kernels) ...", file=sys.stderr, flush=True)
-            print(f"warmed up in {warm_up(model, draft, args.block_size):.1f}s", file=sys.stderr)
+                        adaptive=args.adaptive, block_size=args.block_size, group=group)
+        _serve_warm_up(args, served)
         config = uvicorn.Config(create_app(served), log_level="info")
-        print(f"serving {model_name} on http://{args.host}:{args.port}", file=sys.stderr)
-        uvicorn.Server(config).run(sockets=[sock])
+        print(f"serving {model_name} on http://{args.host}:{args.port}" + _sharding_note(model), file=sys.stderr)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            if group is not None:
+                send_job(None, group)  # (the others stop following)
+
+
+def _serve_warm_up(args, served) -> None:
+    if args.warmup:
+        from .warmup import warm_up
+
+        print("warming up (the first run on a GPU compiles its kernels) ...", file=sys.stderr, flush=True)
+        print(f"warmed up in {warm_up(served.model, served.draft, args.block_size):.1f}s", file=sys.stderr)
+
+
+def _follow(args) -> None:
+    """``serve`` in a sharded target's processes other than 0: load, warm up and generate
+    alongside process 0 (server.follow)."""
+    from .distributed import sharding_group
+    from .server import Served, follow
+
+    model, tokenizer, draft, model_name = _load_pair(args)
+    served = Served(model, tokenizer, draft, model_name, 0, 0, adaptive=args.adaptive, block_size=args.block_size,
+                    group=sharding_group(model))
+    _serve_warm_up(args, served)
+    follow(served)
 
 
 def _bound_socket(host: str, port: int):
@@ -571,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except DFlashError as exc:
-        print(f"mlx-dflash: error: {exc}", file=sys.stderr)
+        print(f"mlx-dflash: error: {exc}", file=sys.stderr)  # (a sharded run's other processes: silenced, _load_pair)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -215,10 +215,10 @@ class BlockDeltaMixer(nn.Module):
         B, S, _ = inputs.shape
         # One token (a plain decode step: mlx-lm's own step, a fused kernel on Apple GPUs; nothing
         # to roll back), prompts on Apple GPUs (that kernel takes a whole prompt in one launch),
-        # padded batches and sharded layers: mlx-lm's forward.
+        # padded batches: mlx-lm's forward.
         metal_prompt = S > MAX_BLOCK and on_apple_gpu()
         plain = (S == 1 or metal_prompt or mask is not None or cache is None or cache.lengths is not None
-                 or cache.left_padding is not None or getattr(m, "sharding_group", None) is not None)
+                 or cache.left_padding is not None)
         self._before = None if cache is None else list(cache.cache)  # mlx arrays are immutable
         self._latest = None
         if plain:
@@ -242,8 +242,9 @@ class BlockDeltaMixer(nn.Module):
             y, cache[1], prefix_states = self._chunked(q, k, v, g, beta, state)
         if S <= MAX_BLOCK:  # a block: keep what rewinding to any prefix needs
             self._latest = (conv_input, *prefix_states)
-        out = m.norm(y.astype(inputs.dtype), z)
-        return m.out_proj(out.reshape(B, S, -1))
+        out = m.out_proj(m.norm(y.astype(inputs.dtype), z).reshape(B, S, -1))
+        group = getattr(m, "sharding_group", None)  # sharded over processes: each holds some heads
+        return out if group is None else mx.distributed.all_sum(out, group=group)
 
     def _chunked(self, q, k, v, g, beta, state) -> tuple[mx.array, mx.array, tuple]:
         """(y [B, S, Hv, Dv], the final state, the last chunk: the state after any prefix of it)."""

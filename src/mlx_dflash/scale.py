@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from .distributed import check_shardable
 from .draft import DFlashDraft, create_random_draft
 from .proposer import DFlashProposer
 from .errors import DFlashError
@@ -58,8 +59,10 @@ EMBEDDING_SCALE = 64.0  # steady_greedy: the token's own embedding outweighs eve
 COMMON = {"rms_norm_eps": 1e-6, "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1_000_000.0}
 
 
-def random_target(shape: str, quant: Optional[int] = None, vocab_size: Optional[int] = None):
-    """(model, config) of ``shape`` in bfloat16 (or quantized to ``quant`` bits), random weights."""
+def random_target(shape: str, quant: Optional[int] = None, vocab_size: Optional[int] = None,
+                  group: Optional[mx.distributed.Group] = None):
+    """(model, config) of ``shape`` in bfloat16 (or quantized to ``quant`` bits), random weights;
+    with a ``group``, sharded over its processes tensor-parallel (``distributed.py``)."""
     if shape not in SHAPES:
         raise DFlashError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     if shape in QUANTIZED_ONLY and not quant:
@@ -68,9 +71,14 @@ def random_target(shape: str, quant: Optional[int] = None, vocab_size: Optional[
     if vocab_size:
         config["vocab_size"] = vocab_size
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    if group is not None:
+        mx.random.seed(0)  # (every process draws the same weights, then keeps its slice of them)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
     steady_greedy(model)
+    if group is not None:
+        check_shardable(config["model_type"], group)
+        model.shard(group)
     if quant:
         nn.quantize(model, group_size=64, bits=quant)
     mx.eval(model.parameters())

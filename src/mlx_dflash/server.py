@@ -4,7 +4,9 @@ One model, one generation at a time: requests wait on an asyncio lock (FIFO) and
 each generation runs cycle by cycle in a worker thread, so the event loop stays
 free to notice a client that disconnects mid-stream; its generation stops at the
 next cycle and the next request proceeds. Bad requests get a 4xx with an
-OpenAI-style error body and the server keeps serving.
+OpenAI-style error body and the server keeps serving. With a target sharded over
+processes (``mlx.launch``), process 0 serves and sends each job to the others, which
+generate it alongside (``follow``); a generation then always runs to its end.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .distributed import receive_job, send_job
 from .generate import encode_prompt, stream_generate
 from .errors import DFlashError
 from .policy import BlockPolicy
@@ -51,6 +54,7 @@ class Served:
     max_tokens_limit: int
     adaptive: bool = True  # plain decoding while drafts lose (same output either way)
     block_size: Optional[int] = None  # the largest block (default: the draft's)
+    group: Optional[Any] = None  # a sharded target's processes: the others follow (``follow``)
 
 
 @dataclass
@@ -157,6 +161,44 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
     return Job(prompt, max_tokens, stop, _sampling(body), chat, stream)
 
 
+def job_payload(job: Job) -> dict:
+    """What the other processes of a sharded target need to generate a job alongside."""
+    s = job.sampling
+    sampling = None if s is None else {"temp": s.temp, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+                                       "seed": s.seed}
+    return {"prompt": job.prompt, "max_tokens": job.max_tokens, "stop": job.stop, "chat": job.chat,
+            "sampling": sampling}
+
+
+def job_from_payload(payload: dict) -> Job:
+    sampling = payload["sampling"]
+    return Job(payload["prompt"], payload["max_tokens"], payload["stop"],
+               None if sampling is None else SamplingParams(**sampling), payload["chat"], stream=False)
+
+
+def generations(served: Served) -> Callable[[Job], Iterator]:
+    """``stream(job)``: a job's streamed generation. One block policy for all of them: the
+    costs it measured carry over (policy.py)."""
+    block_size = served.block_size or served.draft.block_size
+    adaptive = BlockPolicy(block_size) if served.adaptive else False
+
+    def stream(job: Job) -> Iterator:
+        # (a completion continues its prompt exactly: its first token keeps a leading space)
+        return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
+                               max_tokens=job.max_tokens, block_size=block_size, stop=job.stop,
+                               sampling=job.sampling, adaptive=adaptive, continuation=not job.chat)
+    return stream
+
+
+def follow(served: Served) -> None:
+    """A sharded target's other processes: generate each job process 0 serves, alongside it,
+    until it sends none."""
+    stream = generations(served)
+    while (payload := receive_job(served.group)) is not None:
+        for _ in stream(job_from_payload(payload)):
+            pass
+
+
 def _usage(job: Job, completion_tokens: int, acceptance: list[int], tps: float) -> dict:
     return {
         "prompt_tokens": len(job.prompt),
@@ -187,15 +229,12 @@ def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="mlx-dflash")
     lock = asyncio.Lock()  # one generation at a time; waiters are served in arrival order
     counts = {"completed": 0, "cancelled": 0}  # generations, reported by /health
-    # one block policy for all requests: the costs it measured carry over (policy.py)
-    block_size = served.block_size or served.draft.block_size
-    adaptive = BlockPolicy(block_size) if served.adaptive else False
+    generate_job = generations(served)
 
-    def stream(job: Job):
-        # (a completion continues its prompt exactly: its first token keeps a leading space)
-        return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
-                               max_tokens=job.max_tokens, block_size=block_size, stop=job.stop,
-                               sampling=job.sampling, adaptive=adaptive, continuation=not job.chat)
+    def stream(job: Job) -> Iterator:
+        if served.group is not None:  # the other processes generate it alongside (``follow``)
+            send_job(job_payload(job), served.group)
+        return generate_job(job)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405: one error shape everywhere
@@ -217,6 +256,8 @@ def create_app(served: Served) -> FastAPI:
                         return
                     yield response
             finally:
+                if served.group is not None and not finished:  # the others run it to its end: so must we
+                    await run_in_threadpool(lambda: all(True for _ in responses))
                 responses.close()
                 counts["completed" if finished else "cancelled"] += 1
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -22,10 +23,12 @@ from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .cpu_kernels import block_kernels
 from .delta_rule import BlockDeltaMixer
+from .distributed import check_shardable, sharding_group
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
@@ -107,6 +110,7 @@ class Target:
         # Every layer can be cut by a count still on the device (plain KV caches and recurrent
         # layers): the engine then queues a cycle before it reads the previous one's count.
         self.rolls_back_on_device = all(type(c) is KVCache or is_recurrent(c) for c in caches)
+        self.group = sharding_group(model)  # the processes it is sharded over (distributed.py), or None
         self.recorder = _Recorder()
         self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
         self._install_taps()
@@ -176,9 +180,13 @@ class Target:
         return self.text_model.lm_head, False
 
     def head(self, hidden: mx.array) -> mx.array:
-        """Logits from final-normed hidden states (tied or untied output head)."""
+        """Logits from final-normed hidden states (tied or untied output head; a head sharded
+        over the vocabulary gathered whole, as the model's own forward does)."""
         layer, tied = self._output_layer()
-        return layer.as_linear(hidden) if tied else layer(hidden)
+        if tied:
+            return layer.as_linear(hidden)
+        group = getattr(self.text_model, "sharding_group", None)
+        return layer(hidden) if group is None else gather_last_axis(layer(hidden), group)
 
     def head_rows(self, token_ids: mx.array) -> Callable[[mx.array], mx.array]:
         """The head restricted to ``token_ids``: column j of its logits is ``head``'s column
@@ -186,6 +194,8 @@ class Target:
         rows: a draft proposes from a few thousand frequent tokens, and the full 49k-248k-way
         head is most of a small draft's pass."""
         layer, tied = self._output_layer()
+        if not tied and getattr(self.text_model, "sharding_group", None) is not None:
+            return lambda hidden: self.head(hidden)[..., token_ids]  # (each process holds other rows)
         rows = copy.copy(layer)
         for name in ("weight", "scales", "biases", "bias"):
             if name in layer:
@@ -324,9 +334,10 @@ def check_compatible(draft: DFlashDraft, target: nn.Module) -> None:
         raise DFlashError("draft does not match target: " + "; ".join(problems))
 
 
-def load_target(path_or_repo: str):
-    """Load an mlx-lm model and tokenizer (local folder or Hugging Face id), with one-line errors."""
-    from mlx_lm.utils import load
+def load_target(path_or_repo: str, group: Optional[mx.distributed.Group] = None):
+    """Load an mlx-lm model and tokenizer (local folder or Hugging Face id), with one-line errors;
+    with a ``group``, sharded tensor-parallel over its processes (``distributed.py``)."""
+    from mlx_lm.utils import load, sharded_load
 
     from .models import resolve
 
@@ -335,13 +346,25 @@ def load_target(path_or_repo: str):
     looks_local = path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1
     if looks_local and not local.exists():
         raise DFlashError(f"model not found: {path_or_repo}")
+    source = str(local) if local.exists() else path_or_repo
+    if group is not None and local.exists():
+        check_shardable(_config_family(local), group)
     try:
-        model, tokenizer = load(str(local) if local.exists() else path_or_repo)
+        model, tokenizer = load(source) if group is None else sharded_load(source, tensor_group=group)
     except Exception as exc:  # mlx-lm raises many types; the user needs the message, not the stack
         raise DFlashError(f"cannot load model {path_or_repo!r}: {exc}") from None
     warn_half_precision_on_cpu(model, path_or_repo)
     _warn_slow_blas_once()
     return model, tokenizer
+
+
+def _config_family(folder: Path) -> str:
+    """The model_type a local model folder's config names ("?" if unreadable: loading says why)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "?"
+    return config.get("model_type", "?")
 
 
 @functools.cache

@@ -1,0 +1,102 @@
+"""DFlash over a target sharded across processes with MLX's distributed layer (``mlx.launch``).
+
+mlx-lm shards a model tensor-parallel (each family's ``shard()``): every process holds a slice of
+each projection, and the reductions after attention and the MLP leave the residual stream whole
+on every process, so the tapped hidden states and the logits are the same everywhere. The draft
+runs replicated on them. Every process then drafts, verifies and accepts the same tokens, as
+long as everything else a decision reads is shared too: the adaptive policy's timings come from
+process 0 (``from_rank_zero``), sampling draws from one shared seed (``shared_seed``), and each
+generation ends with a check that all processes committed the same tokens (``check_agreement``).
+Process 0 alone prints, writes and serves; in ``serve`` the others follow its requests
+(``send_job`` / ``receive_job``).
+
+Pipeline parallelism is not offered: the draft reads hidden states from layers spread over every
+stage, and the families mlx-lm pipelines only (Qwen3-Next) are refused at load time.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .errors import DFlashError
+
+Group = mx.distributed.Group
+# Families the engine supports whose mlx-lm model has ``shard()`` (tested: tests/test_sharded.py).
+TENSOR_PARALLEL = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss"}
+
+
+def world() -> Optional[Group]:
+    """The group of processes ``mlx.launch`` started (None for a single process)."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def sharding_group(model: nn.Module) -> Optional[Group]:
+    """The group a model's layers are sharded over (None: not sharded)."""
+    for module in model.modules():
+        group = getattr(module, "group", None) or getattr(module, "sharding_group", None)
+        if isinstance(group, Group) and group.size() > 1:
+            return group
+    return None
+
+
+def describe(group: Group) -> str:
+    return f"tensor-parallel over {group.size()} processes"
+
+
+def check_shardable(family: str, group: Group) -> None:
+    if family not in TENSOR_PARALLEL:
+        raise DFlashError(f"a {family} target cannot be sharded over {group.size()} processes: mlx-dflash shards "
+                          f"{', '.join(sorted(TENSOR_PARALLEL))} (tensor parallel, through mlx-lm's shard())")
+
+
+def _sum(array: mx.array, group: Group) -> mx.array:
+    total = mx.distributed.all_sum(array, group=group, stream=mx.cpu)
+    mx.eval(total)
+    return total
+
+
+def from_rank_zero(seconds: float, group: Group) -> float:
+    """Process 0's value everywhere (the policy's timings: each process measures its own)."""
+    return _sum(mx.array(seconds if group.rank() == 0 else 0.0, mx.float32), group).item()
+
+
+def shared_seed(group: Group) -> int:
+    """A random seed drawn by process 0, the same in every process."""
+    seed = int(np.random.default_rng().integers(0, 2**31 - 1)) if group.rank() == 0 else 0
+    return int(_sum(mx.array(seed, mx.int32), group).item())
+
+
+def check_agreement(tokens: list[int], group: Group) -> None:
+    """Fail loudly if the processes committed different tokens (they must never diverge)."""
+    def gathered(x: mx.array) -> mx.array:
+        return mx.distributed.all_gather(x, group=group, stream=mx.cpu)
+
+    lengths = gathered(mx.array([len(tokens)])).tolist()
+    if len(set(lengths)) == 1:
+        ours = mx.array(tokens or [0], mx.int32)[None]
+        if bool(mx.all(gathered(ours) == ours).item()):
+            return
+    raise DFlashError(f"the {group.size()} processes generated different tokens (lengths {lengths}): "
+                      "a sharded run must take the same decisions everywhere")
+
+
+def send_job(job: Optional[dict], group: Group) -> None:
+    """Process 0: what every other process must generate next (None: stop)."""
+    payload = np.frombuffer(json.dumps(job).encode(), dtype=np.uint8)
+    _sum(mx.array([payload.size], mx.int32), group)
+    _sum(mx.array(payload.astype(np.int32)), group)
+
+
+def receive_job(group: Group) -> Optional[dict]:
+    """The other processes: the next job process 0 sent (blocks until it sends one)."""
+    size = int(_sum(mx.zeros((1,), mx.int32), group).item())
+    payload = np.array(_sum(mx.zeros((size,), mx.int32), group)).astype(np.uint8)
+    return json.loads(payload.tobytes().decode())

@@ -1,0 +1,100 @@
+"""A target sharded over two processes (mlx.launch, ring backend on this host): every shardable
+family's greedy tokens equal the single-process run's (mlx-lm's greedy) on every path, both
+processes commit the same tokens, sampled too (one shared seed), the CLI prints once with the
+sharding in its stats line, and a family mlx-lm cannot shard fails with one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import free_port, greedy_reference, load_tiny, tiny_pair_files, wait_until_healthy
+
+from sharded_worker import MAX_TOKENS, PATHS, PROMPT
+
+SHARDED = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss"]
+LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--"]
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tiny_dir):
+    folders = {family: tiny_dir / f"sharded-{family}" for family in SHARDED}
+    for family, folder in folders.items():
+        tiny_pair_files(folder, family, block_size=8, tie=family != "qwen3_5")  # (qwen3_5: its head sharded too)
+    out = tiny_dir / "sharded-out"
+    out.mkdir()
+    run = subprocess.run([*LAUNCH, sys.executable, str(Path(__file__).parent / "sharded_worker.py"), str(out),
+                          *map(str, folders.values())], capture_output=True, text=True, timeout=600)
+    files = [out / f"process-{rank}.json" for rank in (0, 1)]
+    assert all(f.is_file() for f in files), run.stdout[-3000:] + run.stderr[-3000:]
+    return folders, [json.loads(f.read_text()) for f in files]
+
+
+@pytest.mark.parametrize("family", SHARDED)
+def test_sharded_tokens_equal_the_single_process_greedy_tokens(sharded_runs, family):
+    folders, processes = sharded_runs
+    assert [p["size"] for p in processes] == [2, 2]
+    model, tokenizer = load_tiny(folders[family] / "target")
+    reference = greedy_reference(model, tokenizer.encode(PROMPT), MAX_TOKENS)
+    runs = [p["runs"][str(folders[family])] for p in processes]
+    assert runs[0] == runs[1]  # (the same decisions in both processes, sampling included)
+    for path in PATHS:
+        if path != "sampled":
+            assert runs[0][path] == reference, path
+    assert len(runs[0]["sampled"]) == MAX_TOKENS
+
+
+def test_cli_prints_once_and_names_the_sharding(sharded_runs):
+    folders, _ = sharded_runs
+    folder = folders["qwen3"]
+    run = subprocess.run([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", str(folder / "target"),
+                          "--draft", str(folder / "draft"), "--prompt", PROMPT, "--no-chat", "--max-tokens", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.stdout.count("tensor-parallel over 2 processes") == 1, run.stdout + run.stderr
+
+
+def test_a_family_mlx_lm_cannot_shard_fails_with_one_line(tiny_dir):
+    target, draft = tiny_pair_files(tiny_dir / "sharded-gemma", "gemma3_text")
+    run = subprocess.run([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", target,
+                          "--draft", draft, "--prompt", PROMPT, "--no-chat", "--max-tokens", "4"],
+                         capture_output=True, text=True, timeout=300)
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "error" in line]
+    assert len(lines) == 1 and "a gemma3_text target cannot be sharded over 2 processes" in lines[0], run.stderr
+
+
+def test_serve_sharded_answers_as_a_single_process_does(sharded_runs):
+    """Requests through the real server (process 0 serves, process 1 follows), greedy and then
+    sampled with a seed, each equal to a single-process generation; Ctrl-C ends every process."""
+    import signal
+
+    from openai import OpenAI
+
+    from mlx_dflash import SamplingParams, generate, load
+
+    folders, _ = sharded_runs
+    folder = folders["qwen3"]
+    port = free_port()
+    server = subprocess.Popen([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", str(folder / "target"),
+                              "--draft", str(folder / "draft"), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until_healthy(base, 120)
+        client = OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+        model, tokenizer, draft = load(str(folder / "target"), str(folder / "draft"))
+        for sampling in (None, SamplingParams(temp=0.8, seed=3)):
+            extra = {} if sampling is None else {"temperature": 0.8, "seed": 3}
+            answer = client.completions.create(model=str(folder / "target"), prompt=PROMPT, max_tokens=10, **extra)
+            alone = generate(model, tokenizer, PROMPT, draft, max_tokens=10, sampling=sampling, continuation=True)
+            assert answer.choices[0].text == alone.text
+    finally:  # Ctrl-C as a terminal sends it: to every process of the launch
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            output = server.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            output = server.communicate()[0]
+    assert "tensor-parallel over 2 processes" in output, output[-3000:]
+    assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode == 1  # (none left)
