@@ -74,3 +74,18 @@ def test_cli_warmup_flag(pair, tmp_path, capsys):
           "--max-tokens", "6", "--warmup"])
     err = capsys.readouterr().err
     assert "warming up" in err
+
+
+def test_a_warmup_teaches_the_policy_every_block_cost(pair):
+    """With a policy, the warm-up times each size on a second pass: the first text then spends no
+    full blocks on learning what they cost (it starts from what the policy knows)."""
+    from mlx_dflash.policy import BlockPolicy
+
+    _, model, tokenizer, draft, prompt, reference = pair
+    policy = BlockPolicy(8)
+    warmup_module.warm_up(model, draft, 8, GPU_PATHS, policy=policy)
+    assert set(policy.seconds) == set(candidate_sizes(8)) and all(s > 0 for s in policy.seconds.values())
+    policy.history = []
+    result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, adaptive=policy, options=GPU_PATHS)
+    assert result.tokens == reference
+    assert policy.history and len(policy.history) == len(result.acceptance_lengths)

@@ -230,7 +230,13 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer, block_size: Optional[int]) -> None:
+def _block_size(proposer) -> int:
+    """A draft's or proposer's largest block (a replay factory's from its arguments)."""
+    return getattr(proposer, "block_size", None) or proposer.keywords["block_size"]
+
+
+def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer, block_size: Optional[int],
+            policy: Optional[BlockPolicy] = None) -> None:
     """Run every block size the adaptive policy may pick, with every acceptance length (and
     so every shape of a cycle), once before timing.
 
@@ -249,8 +255,8 @@ def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer,
     if _is_factory(proposer):  # replay factory: build one to reach its cost model
         proposer = proposer(list(prompt) + reference)
     real = DFlashProposer(proposer) if isinstance(proposer, DFlashDraft) else getattr(proposer, "cost_of", None)
-    if real is not None:  # every path once, long contexts and sampling included
-        warmup.warm_up(model, real, block_size)
+    if real is not None:  # every path once, long contexts and sampling included (``policy`` learns the costs)
+        warmup.warm_up(model, real, block_size, policy=policy)
     vocab = text_args(model).vocab_size
     for size in candidate_sizes(block_size or proposer.block_size):
         schedule = list(range(size - 1)) + [None]
@@ -306,13 +312,18 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                 reference = run_mlx_lm(model, tokenizer, prompts[0], 300)[0]
         if cfg.baselines_first:
             baselines = {job: baseline(job) for job in tqdm(jobs, desc="bench mlx-lm", unit="run")}
+        # an adaptive method's policy: costs carry over, as in a server (whose warm-up teaches them)
+        policies = {name: BlockPolicy(cfg.block_size or _block_size(proposer))
+                    for name, proposer in proposers.items() if name.endswith("_adaptive")}
         if cfg.warmup:
             with full_length():
                 if ar_draft is not None:
                     run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, cfg.num_draft_tokens)
-                for proposer in {id(p): p for p in proposers.values()}.values():  # one draft, several methods: once
-                    warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size)
-        policies: dict[str, BlockPolicy] = {}  # an adaptive method's: costs carry over, as in a server
+                warmed = set()
+                for name, proposer in sorted(proposers.items(), key=lambda item: item[0] not in policies):
+                    if id(proposer) not in warmed:  # (one draft, several methods: once, teaching the adaptive one)
+                        warmed.add(id(proposer))
+                        warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size, policies.get(name))
         for job in tqdm(jobs, desc="bench", unit="run"):
             p, length, _ = job
             prompt = prompts[p]
@@ -327,11 +338,8 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                 sampling = cfg.sampling
                 if sampling is not None and name.endswith("_match"):
                     sampling = dataclasses.replace(sampling, accept="match")
-                adaptive: Union[bool, BlockPolicy] = False
-                if name.endswith("_adaptive"):
-                    if name not in policies:
-                        policies[name] = BlockPolicy(cfg.block_size or proposer.block_size)
-                    adaptive = policies[name]
+                adaptive: Union[bool, BlockPolicy] = policies.get(name, False)
+                if adaptive:
                     adaptive.history = []
                 runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer,
                                                              cfg.block_size, sampling, adaptive)))

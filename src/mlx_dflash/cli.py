@@ -507,7 +507,8 @@ def _serve_warm_up(args, served) -> None:
         from .warmup import warm_up
 
         print("warming up (the first run on a GPU compiles its kernels) ...", file=sys.stderr, flush=True)
-        print(f"warmed up in {warm_up(served.model, served.draft, args.block_size):.1f}s", file=sys.stderr)
+        seconds = warm_up(served.model, served.draft, args.block_size, policy=served.policy)
+        print(f"warmed up in {seconds:.1f}s", file=sys.stderr)
 
 
 def _follow(args) -> None:

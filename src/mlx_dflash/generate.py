@@ -151,8 +151,6 @@ def stream_generate(
         raise DFlashError(f"block size must be in 1..{proposer.block_size} (the draft's), got {block_size}")
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
-    if warmup:
-        warm_up(model, proposer, block_size, options)
     stops = [s for s in (stop or []) if s]
     hold_back = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
     prompt = encode_prompt(tokenizer, prompt, chat)
@@ -165,7 +163,6 @@ def stream_generate(
     start_chars = sent_chars = len(detokenizer.text)  # (the primed prompt's text is not ours)
 
     tokens: list[int] = []
-    tic = time.perf_counter()
     prefill_s = 0.0
     if sampling is not None and sampling.greedy and not sampling.logits_processors:
         sampling = None  # plain greedy: the bit-exact path
@@ -175,7 +172,11 @@ def stream_generate(
         policy = adaptive if isinstance(adaptive, BlockPolicy) else BlockPolicy(block_size)
         if policy.max_block != block_size:
             raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {block_size}")
+    if warmup:  # (before the policy's first text: it learns the block costs)
+        warm_up(model, proposer, block_size, options, policy=policy)
+    if policy is not None:
         policy.start_text()
+    tic = time.perf_counter()
     cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, prompt_progress)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:

@@ -56,6 +56,10 @@ class Served:
     block_size: Optional[int] = None  # the largest block (default: the draft's)
     group: Optional[Any] = None  # a sharded target's processes: the others follow (``follow``)
 
+    def __post_init__(self) -> None:
+        # one block policy for all requests: the costs it measured carry over (policy.py)
+        self.policy = BlockPolicy(self.block_size or self.draft.block_size) if self.adaptive else None
+
 
 @dataclass
 class Job:
@@ -177,10 +181,9 @@ def job_from_payload(payload: dict) -> Job:
 
 
 def generations(served: Served) -> Callable[[Job], Iterator]:
-    """``stream(job)``: a job's streamed generation. One block policy for all of them: the
-    costs it measured carry over (policy.py)."""
+    """``stream(job)``: a job's streamed generation (with ``served.policy``)."""
     block_size = served.block_size or served.draft.block_size
-    adaptive = BlockPolicy(block_size) if served.adaptive else False
+    adaptive = served.policy or False
 
     def stream(job: Job) -> Iterator:
         # (a completion continues its prompt exactly: its first token keeps a leading space)

@@ -25,7 +25,7 @@ from .device import on_cuda
 from .draft import DFlashDraft
 from .engine import decode_cycles
 from .options import DEFAULT_OPTIONS, EngineOptions
-from .policy import candidate_sizes
+from .policy import BlockPolicy, candidate_sizes
 from .proposer import Proposer
 from .sampling import SamplingParams
 from .target import Target, context_length
@@ -36,10 +36,10 @@ REPEATS = 3  # cycles of each size: the first after a read count, then queued be
 
 class ScriptedSizes:
     """Stands in for ``BlockPolicy``: picks the sizes of ``script`` in turn (1 after it ends);
-    a plain step marked 0 carries a forecast. Learns nothing."""
+    a plain step marked 0 carries a forecast. Passes what each cycle cost on to ``teaches``."""
 
-    def __init__(self, script: list[int]):
-        self.script, self.wants_forecast = list(script), False
+    def __init__(self, script: list[int], teaches: Optional[BlockPolicy] = None):
+        self.script, self.wants_forecast, self.teaches = list(script), False, teaches
 
     def choose(self, limit: Optional[int] = None) -> int:
         size = self.script.pop(0) if self.script else 1
@@ -47,7 +47,8 @@ class ScriptedSizes:
         return max(min(size, limit or size), 1)
 
     def record_cycle(self, block: int, committed: list[int], seconds: float, guess: Optional[list[int]]) -> None:
-        pass
+        if self.teaches is not None:
+            self.teaches.record_cycle(block, committed, seconds, guess)
 
 
 def adaptive_script(block_size: int) -> list[int]:
@@ -70,11 +71,12 @@ def long_prompt_length(target: Target, proposer: Proposer) -> int:
 
 
 def run_path(target: Target, proposer: Proposer, prompt_length: int, block_size: int,
-             sampling: Optional[SamplingParams] = None, script: Optional[list[int]] = None) -> list[int]:
+             sampling: Optional[SamplingParams] = None, script: Optional[list[int]] = None,
+             teaches: Optional[BlockPolicy] = None) -> list[int]:
     """Decode after a made-up prompt: ``REPEATS`` blocks of ``block_size``, or the sizes of
     ``script`` (see ``ScriptedSizes``); returns the sizes of the cycles run."""
     prompt = (mx.arange(prompt_length) * 7919 + 11) % target.vocab_size  # any ids will do
-    policy = ScriptedSizes(script) if script is not None else None
+    policy = ScriptedSizes(script, teaches) if script is not None else None
     cycles = len(script) if script is not None else REPEATS
     max_tokens = 1 + (cycles + 1) * block_size  # (never the limit: the script's sizes stay whole)
     stream = decode_cycles(target, proposer, prompt.astype(mx.uint32), max_tokens, block_size, sampling, policy)
@@ -82,9 +84,12 @@ def run_path(target: Target, proposer: Proposer, prompt_length: int, block_size:
 
 
 def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: Optional[int] = None,
-            options: EngineOptions = DEFAULT_OPTIONS, sampling: bool = True) -> float:
+            options: EngineOptions = DEFAULT_OPTIONS, sampling: bool = True,
+            policy: Optional[BlockPolicy] = None) -> float:
     """Run each path of a generation with ``draft`` once (``sampling``: temperature sampling
-    too); returns the seconds it took."""
+    too); returns the seconds it took. A ``policy`` then learns what each block size costs,
+    from a second pass over them (its kernels built by the first): its first text need not
+    spend full blocks on learning them, which a useless draft pays for."""
     from .generate import make_proposer
 
     tic = time.perf_counter()
@@ -102,5 +107,7 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
         temperature = SamplingParams(temp=1.0)
         run_path(target, proposer, short, block_size, sampling=temperature)
         run_path(target, proposer, short, 1, sampling=temperature)
+    if policy is not None:
+        run_path(target, proposer, short, block_size, script=adaptive_script(block_size), teaches=policy)
     mx.synchronize()
     return time.perf_counter() - tic
