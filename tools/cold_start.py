@@ -23,7 +23,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlx_dflash import __version__  # noqa: F401  (the package's environment set-up runs first)
 from mlx_dflash.generate import stream_generate
 from mlx_dflash.proposer import DFlashProposer
 from mlx_dflash.replay import ReplayProposer, geometric_schedule

@@ -10,6 +10,8 @@ import sys
 
 from .errors import DFlashError
 
+WARMING_UP = "warming up (the first run on a GPU compiles its kernels) ..."
+
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text with DFlash speculative decoding")
@@ -187,7 +189,7 @@ def _quiet_other_ranks():
     from .distributed import world
 
     group = world()
-    if group is not None and group.rank() > 0:
+    if group is not None and group.rank() > 0 and getattr(sys.stdout, "name", None) != os.devnull:
         sys.stdout = sys.stderr = open(os.devnull, "w")  # (process 0 reports errors too: they are alike)
     return group
 
@@ -228,7 +230,7 @@ def _run_generate(args) -> None:
     prompt = _format_prompt(tokenizer, args.prompt, args.chat, args.system)
     acceptance = []
     if args.warmup:
-        print("warming up (the first run on a GPU compiles its kernels) ...", file=sys.stderr, flush=True)
+        print(WARMING_UP, file=sys.stderr, flush=True)
     for response in stream_generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
                                     block_size=args.block_size, stop=args.stop, sampling=sampling,
                                     adaptive=args.adaptive, prompt_progress=_prefill_progress(),
@@ -491,22 +493,22 @@ def _run_serve(args) -> None:
         model_context = context_length(model) or 4096
         context = min(args.context_limit or model_context, model_context)
         served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context),
-                        adaptive=args.adaptive, block_size=args.block_size, group=group)
+                        adaptive=args.adaptive, block_size=args.block_size)
         _serve_warm_up(args, served)
         config = uvicorn.Config(create_app(served), log_level="info")
         print(f"serving {model_name} on http://{args.host}:{args.port}" + _sharding_note(model), file=sys.stderr)
         try:
             uvicorn.Server(config).run(sockets=[sock])
         finally:
-            if group is not None:
-                send_job(None, group)  # (the others stop following)
+            if served.group is not None:
+                send_job(None, served.group)  # (the others stop following)
 
 
 def _serve_warm_up(args, served) -> None:
     if args.warmup:
         from .warmup import warm_up
 
-        print("warming up (the first run on a GPU compiles its kernels) ...", file=sys.stderr, flush=True)
+        print(WARMING_UP, file=sys.stderr, flush=True)
         seconds = warm_up(served.model, served.draft, args.block_size, policy=served.policy)
         print(f"warmed up in {seconds:.1f}s", file=sys.stderr)
 
@@ -514,12 +516,10 @@ def _serve_warm_up(args, served) -> None:
 def _follow(args) -> None:
     """``serve`` in a sharded target's processes other than 0: load, warm up and generate
     alongside process 0 (server.follow)."""
-    from .distributed import sharding_group
     from .server import Served, follow
 
     model, tokenizer, draft, model_name = _load_pair(args)
-    served = Served(model, tokenizer, draft, model_name, 0, 0, adaptive=args.adaptive, block_size=args.block_size,
-                    group=sharding_group(model))
+    served = Served(model, tokenizer, draft, model_name, 0, 0, adaptive=args.adaptive, block_size=args.block_size)
     _serve_warm_up(args, served)
     follow(served)
 

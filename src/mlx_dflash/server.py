@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .distributed import receive_job, send_job
+from .distributed import receive_job, send_job, sharding_group
 from .generate import encode_prompt, stream_generate
 from .errors import DFlashError
 from .policy import BlockPolicy
@@ -54,11 +54,11 @@ class Served:
     max_tokens_limit: int
     adaptive: bool = True  # plain decoding while drafts lose (same output either way)
     block_size: Optional[int] = None  # the largest block (default: the draft's)
-    group: Optional[Any] = None  # a sharded target's processes: the others follow (``follow``)
 
     def __post_init__(self) -> None:
         # one block policy for all requests: the costs it measured carry over (policy.py)
         self.policy = BlockPolicy(self.block_size or self.draft.block_size) if self.adaptive else None
+        self.group = sharding_group(self.model)  # a sharded target's processes: the others follow (``follow``)
 
 
 @dataclass
