@@ -1,5 +1,6 @@
 """The adaptive block policy: plain decoding when drafts lose, full blocks when they win,
-short blocks when a verify costs more with each token and the draft is weak."""
+short blocks when a verify costs more with each token and the draft is weak; trees where their
+measured tokens per second beat the chain's. (Policies without trees where a test is about chains.)"""
 
 import itertools
 
@@ -33,7 +34,7 @@ def drive(policy, acceptance_of, seconds_of, cycles):
 
 
 def test_poor_draft_falls_back_to_plain_decoding_and_probes_rarely():
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     # acceptance 1 with a full block that costs twice a plain step: plain decoding wins
     chosen = drive(policy, lambda b: 1, lambda b: 2.0 if b == 16 else 1.0, 300)
     assert chosen[:WARMUP_CYCLES] == [16] * WARMUP_CYCLES
@@ -66,7 +67,7 @@ def test_a_switchs_cost_is_not_charged_to_the_size_switched_to():
     path); charged to plain decoding it made plain decoding look as dear as blocks, and a text
     that turned unpredictable after a good start stayed on blocks. Only a cycle after one of its
     own size is timed."""
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     # drafted tokens accepted: a good start, then a poor draft (0.64 a block) with a few longer runs
     runs = [4] * 17 + [0, 0, 0, 1, 0, 0, 2, 0, 0, 0, 5, 0, 0, 1] * 40
     def cost(cycle: int, block: int, previous: int) -> float:
@@ -92,7 +93,7 @@ def run_stale_plain_cost_text(policy):
 
 def test_a_stale_plain_cost_is_timed_again():
     """While blocks win by less than RETIME_MARGIN, a probe times plain decoding again."""
-    chosen = run_stale_plain_cost_text(BlockPolicy(16))
+    chosen = run_stale_plain_cost_text(BlockPolicy(16, tree_budgets=()))
     assert chosen[:12].count(1) >= 2  # plain decoding was timed early, at its dear cost
     assert chosen[-200:].count(1) > 0.9 * 200, chosen[-200:].count(1)
 
@@ -100,7 +101,7 @@ def test_a_stale_plain_cost_is_timed_again():
 def test_a_stale_plain_cost_is_timed_again_after_a_text_plain_decoding_won():
     """A shared policy keeps the probes' back-off after a text where plain decoding won (up to
     PROBE_MAX cycles between probes); re-times have their own, so they still come."""
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     useless = drive(policy, lambda b: 1, lambda b: 2.0 if b > 1 else 1.0, 600)
     assert useless[-100:].count(1) > 95 and policy.probe_every == PROBE_MAX
     policy.start_text()
@@ -112,7 +113,7 @@ def test_a_text_that_turns_poor_falls_back_after_a_long_good_start():
     """Acceptance statistics fade (SLOT_DECAY a cycle): a text whose answer ends after a long
     predictable stretch (`bench --no-eos`) otherwise kept blocks for as long as
     its good start outweighed the poor cycles since."""
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     drive(policy, lambda b: 12, lambda b: 2.0 if b > 1 else 1.0, 100)
     poor = itertools.cycle([1, 1, 2, 1, 3, 1, 1, 2])  # 1.5 tokens a block: plain decoding wins
     chosen = drive(policy, lambda b: min(next(poor), b), lambda b: 2.0 if b > 1 else 1.0, 300)
@@ -122,7 +123,7 @@ def test_a_text_that_turns_poor_falls_back_after_a_long_good_start():
 def test_a_runs_first_cycle_resets_a_cost_only_downwards():
     """The first steady cycle of a size's run replaces its cost when cheaper (the cost was timed
     when steps were dearer) and only moves it a little when dearer (a one-off: a new trace)."""
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     for block, seconds in [(1, 9.0), (1, 2.0), (1, 2.0)]:  # a plain run: 2.0 after the switch
         policy.record(block, 1, seconds)
     assert policy.seconds[1] == 2.0
@@ -136,13 +137,13 @@ def test_a_runs_first_cycle_resets_a_cost_only_downwards():
 
 def test_good_draft_is_not_retimed():
     """A draft that wins by far runs no re-time probes (they cost plain steps)."""
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     chosen = drive(policy, lambda b: 12, lambda b: 2.0 if b > 1 else 1.0, 200)
     assert chosen[20:].count(16) == 180
 
 
 def test_policy_climbs_back_when_the_text_becomes_predictable():
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     useless = drive(policy, lambda b: 1, lambda b: 1.0 + 0.02 * b, 150)
     assert useless[-50:].count(1) > 45
     perfect = drive(policy, lambda b: b, lambda b: 1.0 + 0.02 * b, 300)
@@ -150,13 +151,13 @@ def test_policy_climbs_back_when_the_text_becomes_predictable():
 
 
 def test_good_draft_keeps_full_blocks():
-    policy = BlockPolicy(16)  # verify cost flat in the block size (a GPU): full blocks win
+    policy = BlockPolicy(16, tree_budgets=())  # verify cost flat in the block size (a GPU): full blocks win
     chosen = drive(policy, lambda b: 12, lambda b: 1.0, 100)
     assert chosen[20:].count(16) == 80
 
 
 def test_weak_draft_with_growing_verify_cost_picks_short_blocks():
-    policy = BlockPolicy(16)  # cost grows with the block (a CPU); 3 tokens per full block
+    policy = BlockPolicy(16, tree_budgets=())  # cost grows with the block (a CPU); 3 tokens per full block
     chosen = drive(policy, lambda b: 3, lambda b: 1.0 + 0.1 * (b - 1), 200)
     # rates E[min(L, b)] / cost(b): 1 -> 1.0, 2 -> 1.82, 4 -> 2.31, 8 -> 1.76, 16 -> 1.2
     assert chosen[50:].count(4) > 0.9 * 150
@@ -164,7 +165,7 @@ def test_weak_draft_with_growing_verify_cost_picks_short_blocks():
 
 
 def test_slot_statistics_use_short_blocks_too(monkeypatch):
-    policy = BlockPolicy(16, slot_decay=1.0)  # (what is counted, without the fading)
+    policy = BlockPolicy(16, tree_budgets=(), slot_decay=1.0)  # (what is counted, without the fading)
     for _ in range(10):
         policy.record(4, 4, 0.1)  # all 3 drafted slots accepted: slot 4 never checked
         policy.record(4, 2, 0.1)  # slot 1 accepted, slot 2 rejected
@@ -174,7 +175,7 @@ def test_slot_statistics_use_short_blocks_too(monkeypatch):
 
 
 def test_a_shared_policy_keeps_its_costs_and_starts_each_text_afresh():
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     drive(policy, lambda b: 1, lambda b: 2.0 if b == 16 else 1.0, 100)  # useless draft: plain wins
     costs = dict(policy.seconds)
     policy.start_text()
@@ -182,7 +183,7 @@ def test_a_shared_policy_keeps_its_costs_and_starts_each_text_afresh():
     # the next text's draft is perfect: a forecast, then full blocks as soon as its first guess
     # comes true (a fresh policy would time plain decoding first)
     assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10) == ["f"] + [16] * 9
-    assert drive(BlockPolicy(16), lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10)[WARMUP_CYCLES] == 1
+    assert drive(BlockPolicy(16, tree_budgets=()), lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10)[WARMUP_CYCLES] == 1
     policy.probe_every = 8 * PROBE_START
     policy.start_text()  # after a text where blocks won: a full block first and probes as often as at first
     assert policy.probe_every == PROBE_START
@@ -194,18 +195,18 @@ def test_a_shared_policy_starts_a_text_with_a_forecast_and_keeps_its_probe_back_
     draft pass) instead of a verified block, and probes that kept losing on earlier texts stay
     rare: a useless draft costs one draft pass per text."""
     useless, cost = (lambda b: 1), (lambda b: 2.0 if b == 16 else 1.0)
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     drive(policy, useless, cost, 300)
     assert policy.probe_every > PROBE_START
     policy.start_text()
     shared = drive(policy, useless, cost, 100)
-    fresh = drive(BlockPolicy(16), useless, cost, 100)
+    fresh = drive(BlockPolicy(16, tree_budgets=()), useless, cost, 100)
     assert shared[:2] == ["f", 1] and shared.count("f") == 1 and 16 not in shared
     assert fresh[:WARMUP_CYCLES] == [16] * WARMUP_CYCLES and fresh.count("f") > 1
 
 
 def test_a_forecast_checks_its_guesses_until_the_first_miss():
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     policy.seconds = {1: 1.0, 16: 40.0}
     policy.cycles = 1  # a text where plain decoding won
     policy.start_text()
@@ -228,7 +229,7 @@ def test_candidate_sizes():
 
 def test_adaptive_output_is_unchanged(tiny_dir):
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-qwen3", "qwen3", "adaptive", 120)
-    shared = BlockPolicy(16)  # one policy over several generations, as in the server
+    shared = BlockPolicy(16, tree_budgets=())  # one policy over several generations, as in the server
     for schedule in ([0], [None], [None, 0, 5]):  # useless, perfect and mixed drafts
         for adaptive in (True, shared):
             proposer = ReplayProposer(prompt + reference, 16, schedule, VOCAB_SIZE)
@@ -243,7 +244,7 @@ def test_adaptive_output_is_unchanged(tiny_dir):
 def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):
     """With fewer tokens wanted than a block, the policy picks candidate sizes that fit, so
     each block's cost is learned (blocks cut short never were: the policy kept drafting)."""
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     chosen = []
     for wanted in range(15, 0, -1):  # a 16-token generation: one token per cycle (useless draft)
         block = policy.choose(limit=wanted)
@@ -261,13 +262,13 @@ def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):
 def test_short_blocks_check_the_slot_after_them(tiny_dir, monkeypatch):
     """A draft proposes one token past a short block; when the block is wholly accepted, that
     token is checked against the block's bonus token (the slot after the block)."""
-    policy = BlockPolicy(16, slot_decay=1.0)  # (what is counted, without the fading)
+    policy = BlockPolicy(16, tree_budgets=(), slot_decay=1.0)  # (what is counted, without the fading)
     policy.record(4, 4, 1.0)
     policy.start_forecast([7], first_slot=4)
     policy.observe([7])
     assert policy.slot_checked[1:6] == [1, 1, 1, 1, 0] and policy.slot_accepted[4] == 1 and policy.guess is None
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-peek", "qwen3", "peek", 40)
-    policy = BlockPolicy(16, slot_decay=1.0)
+    policy = BlockPolicy(16, tree_budgets=(), slot_decay=1.0)
     policy.seconds = {1: 1.0, 2: 100.0, 4: 1.0, 8: 100.0, 16: 100.0}  # 4-token blocks win
     proposer = ReplayProposer(prompt + reference, 16, [None], VOCAB_SIZE)  # a perfect draft
     result = generate(model, tokenizer, prompt, proposer, max_tokens=33, adaptive=policy)
@@ -275,7 +276,7 @@ def test_short_blocks_check_the_slot_after_them(tiny_dir, monkeypatch):
     assert policy.slot_checked[4] == policy.slot_accepted[4] == 1 + 4  # each whole 4-block: one check past it
     assert policy.slot_checked[5] == 1
     # blocks of up to 8 from a 16-token draft: guesses stay within the policy's 8 slots
-    policy = BlockPolicy(8, slot_decay=1.0)
+    policy = BlockPolicy(8, tree_budgets=(), slot_decay=1.0)
     policy.seconds = {1: 1.0, 2: 100.0, 4: 1.0, 8: 100.0}
     result = generate(model, tokenizer, prompt, proposer, max_tokens=33, block_size=8, adaptive=policy)
     assert result.tokens == reference[:33] and policy.slot_checked[4] > 0
@@ -285,7 +286,7 @@ def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir, m
     """The forecast drafted beside a plain step records the acceptance a block would have had
     (the replayed guesses are right for 5 slots, then wrong); the output stays mlx-lm's."""
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-forecast", "qwen3", "forecast", 40)
-    policy = BlockPolicy(16, slot_decay=1.0)  # (what is counted, without the fading)
+    policy = BlockPolicy(16, tree_budgets=(), slot_decay=1.0)  # (what is counted, without the fading)
     policy.seconds = {size: 1.0 if size == 1 else 100.0 for size in policy.sizes}  # plain decoding wins
     policy.probe_every = PROBE_MAX  # only the text's first forecast
     policy.cycles = 1  # as after a text where plain decoding won (generate starts the text)
@@ -295,7 +296,7 @@ def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir, m
     assert result.acceptance_lengths == [1] * 29  # plain steps only
     assert policy.slot_checked[1:8] == [1] * 6 + [0] and policy.slot_accepted[1:7] == [1] * 5 + [0]
     # blocks of up to 4 from a 16-token draft: the forecast guesses the policy's 3 slots only
-    policy = BlockPolicy(4, slot_decay=1.0)
+    policy = BlockPolicy(4, tree_budgets=(), slot_decay=1.0)
     policy.seconds, policy.probe_every, policy.cycles = {1: 1.0, 2: 100.0, 4: 100.0}, PROBE_MAX, 1
     proposer = ReplayProposer(prompt + reference, 16, [None], VOCAB_SIZE)
     result = generate(model, tokenizer, prompt, proposer, max_tokens=30, block_size=4, adaptive=policy)
@@ -323,7 +324,7 @@ def test_queued_cycles_charge_each_size_its_own_launch(tiny_dir, monkeypatch):
             return super().__call__(tokens, cache, prompt)
 
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-queued", "qwen3", "queued", 80)
-    policy = BlockPolicy(16)
+    policy = BlockPolicy(16, tree_budgets=())
     policy.start_text()
     proposer = ReplayProposer(prompt + reference, 16, [0, 0, 3, None], VOCAB_SIZE)
     target = CountedTarget(model, proposer.layer_ids, EngineOptions(queue_ahead=True, pad_reads=True))
@@ -331,3 +332,46 @@ def test_queued_cycles_charge_each_size_its_own_launch(tiny_dir, monkeypatch):
     assert [t for cycle in cycles for t in cycle.tokens] == reference[:80]
     assert {1, 16} <= set(policy.seconds)  # plain steps and blocks, mixed
     assert all(seconds == size for size, seconds in policy.seconds.items()), policy.seconds
+
+
+def drive_trees(policy, chain_tokens, tree_tokens, cost, cycles):
+    """``drive`` with trees: a full chain block commits ``chain_tokens``, a tree of size s
+    ``tree_tokens(s)``; ``cost(size)``: a cycle's seconds."""
+    chosen = []
+    for _ in range(cycles):
+        size = policy.choose()
+        tokens = tree_tokens(size) if size > policy.max_block else min(chain_tokens, size)
+        policy.record(size, tokens, cost(size), policy.wants_forecast)
+        chosen.append(size)
+    return chosen
+
+
+def test_trees_win_where_their_tokens_per_second_do():
+    policy = BlockPolicy(16, tree_budgets=(32, 64))
+    assert policy.sizes[-2:] == [33, 65]
+    # chain: 6 tokens / 1.0 s; tree 33: 9 / 1.1; tree 65: 10 / 1.6
+    chosen = drive_trees(policy, 6, lambda s: 9 if s == 33 else 10, lambda s: {33: 1.1, 65: 1.6}.get(s, 1.0), 200)
+    assert chosen[50:].count(33) > 0.9 * 150
+    assert abs(policy.expected_tokens(33) - 9) < 1e-9
+
+
+def test_dear_trees_are_probed_rarely():
+    policy = BlockPolicy(16, tree_budgets=(32,))
+    chosen = drive_trees(policy, 6, lambda s: 7, lambda s: 2.0 if s == 33 else 1.0, 300)
+    assert chosen[100:].count(16) > 0.95 * 200 and 0 < chosen.count(33) < 20
+
+
+def test_no_trees_where_they_cannot_run_or_do_not_fit():
+    policy = BlockPolicy(16, tree_budgets=(32,))
+    for _ in range(50):
+        size = policy.choose(trees=False)
+        assert size <= 16
+        policy.record(size, min(size, 6), 1.0)
+    policy.record(33, 12, 0.5)
+    policy.record(33, 12, 0.5)  # (timed: trees now win by far)
+    assert policy.choose(limit=10) <= 10 and policy.choose(limit=40) == 33
+
+
+def test_a_tree_budget_below_the_block_is_refused():
+    with pytest.raises(DFlashError, match="tree budget must be in 16"):
+        BlockPolicy(16, tree_budgets=(8,))

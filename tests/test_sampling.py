@@ -63,13 +63,14 @@ def exact_marginals(model, prompt, params):
     return p2, p3
 
 
-def sampled_marginals(model, draft, prompt, params, options=EngineOptions()):
+def sampled_marginals(model, draft, prompt, params, options=EngineOptions(), tree_budget=None):
     target = Target(model, draft.config.target_layer_ids, options)
     proposer = DFlashProposer(draft)
     mx.random.seed(1234)
     counts = np.zeros((2, VOCAB))
     for _ in range(SAMPLES):
-        tokens = [t for cycle in decode_cycles(target, proposer, mx.array(prompt), 4, 4, params) for t in cycle.tokens]
+        cycles = decode_cycles(target, proposer, mx.array(prompt), 4, 4, params, tree_budget=tree_budget)
+        tokens = [t for cycle in cycles for t in cycle.tokens]
         counts[0, tokens[1]] += 1  # t2: first drafted slot (or its residual resample)
         counts[1, tokens[2]] += 1  # t3: second drafted slot (or bonus)
     return counts
@@ -118,6 +119,37 @@ def test_emitted_distribution_with_a_dflash2_draft(setup):
     for observed, expected in ((counts[0], p2), (counts[1], p3)):
         stat, dof = chi_square(observed, expected)
         assert stat < chi_square_bound(dof), (stat, dof)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_k=10, top_p=0.95)],
+                         ids=["temp1", "temp0.7-topk-topp"])
+def test_emitted_distribution_with_trees(setup, params):
+    """A tree keeps the target's own sample at each node it walks: no rejection sampling."""
+    model, _, draft, prompt = setup
+    p2, p3 = exact_marginals(model, prompt, params)
+    counts = sampled_marginals(model, draft, prompt, params, tree_budget=8)
+    for observed, expected in ((counts[0], p2), (counts[1], p3)):
+        stat, dof = chi_square(observed, expected)
+        assert stat < chi_square_bound(dof), (stat, dof)
+
+
+def test_the_check_catches_a_wrong_tree_walk(setup, monkeypatch):
+    """Keeping the draft's first child at every node (a biased walk) fails the same check."""
+    from mlx_dflash.tree import DraftTree
+
+    def biased(tree, choices):  # (the walk under test, deliberately wrong)
+        path = [0]
+        while any(tree.parents[node] == path[-1] for node in range(tree.size)):
+            path.append(next(node for node in range(tree.size) if tree.parents[node] == path[-1]))
+        return path, choices[path[-1]]
+
+    monkeypatch.setattr(DraftTree, "walk", biased)
+    model, _, draft, prompt = setup
+    params = SamplingParams(temp=1.0)
+    p2, p3 = exact_marginals(model, prompt, params)
+    counts = sampled_marginals(model, draft, prompt, params, tree_budget=8)
+    stats = [chi_square(counts[0], p2), chi_square(counts[1], p3)]
+    assert any(stat > chi_square_bound(dof) for stat, dof in stats), stats
 
 
 def test_the_check_catches_a_wrong_acceptance_rule(setup, monkeypatch):

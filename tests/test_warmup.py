@@ -11,6 +11,7 @@ from mlx_dflash import EngineOptions, create_random_draft, generate
 from mlx_dflash import warmup as warmup_module
 from mlx_dflash.cli import main
 from mlx_dflash.generate import make_proposer
+from mlx_dflash import policy as policy_module
 from mlx_dflash.policy import candidate_sizes
 from mlx_dflash.sampling import SamplingParams
 
@@ -49,10 +50,11 @@ def test_warmup_changes_no_seeded_sample(pair):
 def test_the_script_runs_every_size_the_policy_picks(pair):
     _, model, _, draft, _, _ = pair
     target, proposer = make_proposer(model, draft, GPU_PATHS)
-    script = warmup_module.adaptive_script(8)
+    script = warmup_module.adaptive_script(8, tree_budgets=(16,))
     sizes = warmup_module.run_path(target, proposer, 16, 8, script=script)
-    assert sizes[: len(script)] == [max(size, 1) for size in script]
-    assert set(sizes) == set(candidate_sizes(8)) and 0 in script  # (0: a plain step with a forecast)
+    runs = [max(size if size <= 8 or target.verifies_trees else 8, 1) for size in script]  # (else chains)
+    assert sizes[: len(script)] == runs and 0 in script  # (0: a plain step with a forecast)
+    assert set(sizes) == set(candidate_sizes(8, (16,) if target.verifies_trees else ()))  # (a tree of 16 nodes: 17)
     assert warmup_module.run_path(target, proposer, 16, 1) == [1] * warmup_module.REPEATS
 
 
@@ -84,7 +86,9 @@ def test_a_warmup_teaches_the_policy_every_block_cost(pair):
     _, model, tokenizer, draft, prompt, reference = pair
     policy = BlockPolicy(8)
     warmup_module.warm_up(model, draft, 8, GPU_PATHS, policy=policy)
-    assert set(policy.seconds) == set(candidate_sizes(8)) and all(s > 0 for s in policy.seconds.values())
+    trees = policy_module.TREE_BUDGETS if make_proposer(model, draft)[0].verifies_trees else ()
+    assert set(policy.seconds) == set(candidate_sizes(8, trees))
+    assert all(s > 0 for s in policy.seconds.values())
     policy.history = []
     result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, adaptive=policy, options=GPU_PATHS)
     assert result.tokens == reference

@@ -48,7 +48,7 @@ def random_runs(p1: float, pk: float, seed: int) -> Iterator[int]:
 
 
 def simulate(runs: Iterator[int]) -> tuple[int, int, int, float]:
-    policy = BlockPolicy(16, slot_decay=args.slot_decay)
+    policy = BlockPolicy(16, tree_budgets=(), slot_decay=args.slot_decay)
     plain = blocks = forecasts = tokens = 0
     spent, previous = 0.0, 16
     for cycle, run in zip(range(args.cycles), runs):

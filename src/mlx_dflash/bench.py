@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import re
 import statistics
 import time
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .errors import DFlashError
-from .policy import BlockPolicy
+from .policy import TREE_BUDGETS, BlockPolicy
 from .sampling import SamplingParams
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
@@ -83,11 +84,12 @@ def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=Non
 
 
 def run_dflash(model, tokenizer, prompt: list[int], length: int, proposer, block_size: Optional[int],
-               sampling: Optional[SamplingParams] = None, adaptive: Union[bool, BlockPolicy] = False) -> tuple:
+               sampling: Optional[SamplingParams] = None, adaptive: Union[bool, BlockPolicy] = False,
+               trees: Union[bool, int] = False) -> tuple:
     from .generate import stream_generate
 
     stream = stream_generate(model, tokenizer, prompt, proposer, max_tokens=length, block_size=block_size,
-                             sampling=sampling, adaptive=adaptive)
+                             sampling=sampling, adaptive=adaptive, trees=trees)
     return _timed(stream, lambda r: r.tokens, lambda r: r.acceptance_length)
 
 
@@ -264,6 +266,13 @@ def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer,
         run_dflash(model, tokenizer, prompt, min(len(reference), 1 + size * (size + 1) // 2 + 2 * size), replay, size)
 
 
+def tree_budget(method: str) -> Union[bool, int]:
+    """A method's trees: ``dflash_tree<B>`` verifies trees of B nodes, the others chains (an
+    adaptive method's policy picks its own)."""
+    match = re.fullmatch(r"dflash_tree(\d+)", method)
+    return int(match.group(1)) if match else False
+
+
 def _is_factory(proposer) -> bool:
     return isinstance(proposer, functools.partial) or inspect.isfunction(proposer)
 
@@ -277,6 +286,7 @@ class BenchConfig:
     block_size: Optional[int] = None
     num_draft_tokens: int = 3
     sampling: Optional[SamplingParams] = None  # None: greedy
+    tree_budgets: Sequence[int] = TREE_BUDGETS  # the adaptive policy's trees (methods dflash_tree<B>: fixed ones)
     # mlx-lm's greedy on every prompt before any DFlash generation, instead of alternating: on
     # GPUs mlx-lm runs slower in a process that has run DFlash (docs/performance.md), which
     # alternating counts against the baseline
@@ -313,7 +323,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
         if cfg.baselines_first:
             baselines = {job: baseline(job) for job in tqdm(jobs, desc="bench mlx-lm", unit="run")}
         # an adaptive method's policy: costs carry over, as in a server (whose warm-up teaches them)
-        policies = {name: BlockPolicy(cfg.block_size or _block_size(proposer))
+        policies = {name: BlockPolicy(cfg.block_size or _block_size(proposer), tree_budgets=cfg.tree_budgets)
                     for name, proposer in proposers.items() if name.endswith("_adaptive")}
         if cfg.warmup:
             with full_length():
@@ -342,7 +352,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                 if adaptive:
                     adaptive.history = []
                 runs.append(Run(name, p, length, *run_dflash(model, tokenizer, prompt, length, proposer,
-                                                             cfg.block_size, sampling, adaptive)))
+                                                             cfg.block_size, sampling, adaptive, tree_budget(name))))
                 if isinstance(adaptive, BlockPolicy):
                     runs[-1].policy_cycles, adaptive.history = adaptive.history, None
     finally:

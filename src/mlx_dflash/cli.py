@@ -8,7 +8,10 @@ import os
 import signal
 import sys
 
+from typing import Union
+
 from .errors import DFlashError
+from .policy import TREE_BUDGETS, fixed_tree_budget
 
 WARMING_UP = "warming up (the first run on a GPU compiles its kernels) ..."
 
@@ -31,10 +34,25 @@ def _add_generate(sub) -> None:
 
 
 def _add_block_flags(p) -> None:
-    """--block-size and --adaptive: how generate and serve choose each cycle's block."""
+    """--block-size, --adaptive and trees: how generate and serve choose each cycle's block."""
     p.add_argument("--block-size", type=int, default=None, help="largest block (default: the draft's trained size)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="fall back to plain decoding while drafts lose (measured each cycle); same output")
+    _add_tree_flags(p)
+
+
+def _add_tree_flags(p) -> None:
+    trees = p.add_mutually_exclusive_group()
+    trees.add_argument("--tree-budget", type=int, default=None, metavar="B",
+                       help="verify trees of B drafted nodes (DDTree): the adaptive policy's one tree, and with "
+                       "--no-adaptive every full block (default: the policy measures trees of "
+                       f"{' and '.join(map(str, TREE_BUDGETS))} nodes against chains)")
+    trees.add_argument("--no-tree", action="store_true", help="verify chains only")
+
+
+def _trees(args) -> Union[bool, int]:
+    """What --tree-budget / --no-tree ask for (``stream_generate``'s ``trees``)."""
+    return False if args.no_tree else args.tree_budget if args.tree_budget is not None else True
 
 
 def _check_block_size(block_size) -> None:
@@ -234,7 +252,7 @@ def _run_generate(args) -> None:
     for response in stream_generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
                                     block_size=args.block_size, stop=args.stop, sampling=sampling,
                                     adaptive=args.adaptive, prompt_progress=_prefill_progress(),
-                                    warmup=args.warmup):
+                                    warmup=args.warmup, trees=_trees(args)):
         print(response.text, end="", flush=True)
         if response.acceptance_length is not None:
             acceptance.append(response.acceptance_length)
@@ -366,6 +384,11 @@ def _add_bench(sub) -> None:
                    help="time mlx-lm on every prompt before any DFlash generation (not alternating)")
     p.add_argument("--no-eos", action="store_true", help="ignore EOS: always generate the full length")
     p.add_argument("--block-size", type=int, default=None)
+    trees = p.add_mutually_exclusive_group()
+    trees.add_argument("--tree-budgets", type=int, nargs="+", default=None, metavar="B",
+                       help="add methods dflash_tree<B> (every full block a tree of B nodes) and give the adaptive "
+                       f"policy these trees (default: {' and '.join(map(str, TREE_BUDGETS))})")
+    trees.add_argument("--no-tree", action="store_true", help="the adaptive policy verifies chains only")
     p.add_argument("--out", default="bench_out", help="folder for results.json, results.md and PNG plots")
     p.add_argument("--scale", default=None, help="scale mode: a random-weight target of this shape "
                    "(qwen3-4b/8b/14b, qwen3.5-4b/9b/27b) with a replay draft")
@@ -402,7 +425,8 @@ def _run_bench(args) -> None:
         raise DFlashError("--lengths must all be at least 1")
     cfg = BenchConfig(lengths=args.lengths, repeats=args.repeats, warmup=not args.no_warmup,
                       no_eos=args.no_eos or bool(args.scale), block_size=args.block_size,
-                      num_draft_tokens=args.num_draft_tokens, baselines_first=args.baselines_first)
+                      num_draft_tokens=args.num_draft_tokens, baselines_first=args.baselines_first,
+                      tree_budgets=() if args.no_tree else args.tree_budgets or TREE_BUDGETS)
     group = _quiet_other_ranks()
     out = Path(args.out) if group is None or group.rank() == 0 else None  # (one writer)
     if args.scale:
@@ -445,7 +469,7 @@ def _run_bench(args) -> None:
     texts = texts[: args.num_prompts]
     prompts = [encode_chat(tokenizer, t) if args.chat else tokenizer.encode(t) for t in texts]
     sampling = _sampling_from_args(args)
-    proposers = {"dflash": draft, "dflash_adaptive": draft}
+    proposers = {"dflash": draft, "dflash_adaptive": draft, **{f"dflash_tree{b}": draft for b in args.tree_budgets or ()}}
     if args.replay:
         proposers = replay_methods(draft, args.replay_mean, text_args(model).vocab_size)
     if not sampling.greedy:  # the exact-match scheme of earlier engines, for comparison
@@ -493,7 +517,7 @@ def _run_serve(args) -> None:
         model_context = context_length(model) or 4096
         context = min(args.context_limit or model_context, model_context)
         served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context),
-                        adaptive=args.adaptive, block_size=args.block_size)
+                        adaptive=args.adaptive, block_size=args.block_size, trees=_trees(args))
         _serve_warm_up(args, served)
         config = uvicorn.Config(create_app(served), log_level="info")
         print(f"serving {model_name} on http://{args.host}:{args.port}" + _sharding_note(model), file=sys.stderr)
@@ -509,7 +533,8 @@ def _serve_warm_up(args, served) -> None:
         from .warmup import warm_up
 
         print(WARMING_UP, file=sys.stderr, flush=True)
-        seconds = warm_up(served.model, served.draft, args.block_size, policy=served.policy)
+        seconds = warm_up(served.model, served.draft, args.block_size, policy=served.policy,
+                          tree_budgets=[fixed_tree_budget(served.trees)] if fixed_tree_budget(served.trees) else [])
         print(f"warmed up in {seconds:.1f}s", file=sys.stderr)
 
 
@@ -519,7 +544,8 @@ def _follow(args) -> None:
     from .server import Served, follow
 
     model, tokenizer, draft, model_name = _load_pair(args)
-    served = Served(model, tokenizer, draft, model_name, 0, 0, adaptive=args.adaptive, block_size=args.block_size)
+    served = Served(model, tokenizer, draft, model_name, 0, 0, adaptive=args.adaptive, block_size=args.block_size,
+                    trees=_trees(args))
     _serve_warm_up(args, served)
     follow(served)
 

@@ -92,6 +92,15 @@ def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     return _silu_times(gate, exp(-gate), x)
 
 
+def logsumexp(x: mx.array) -> mx.array:
+    """``mx.logsumexp(x, axis=-1, keepdims=True)``; on the CPU in float32 with ``exp`` (a tree's
+    log-probabilities over a whole vocabulary, one row per draft slot)."""
+    if not _cpu_float32(x.dtype):
+        return mx.logsumexp(x, axis=-1, keepdims=True)
+    top = x.max(axis=-1, keepdims=True)
+    return top + mx.log(exp(x - top).sum(axis=-1, keepdims=True))
+
+
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
               mask: Union[None, str, mx.array]) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` (no sinks); on the CPU in float32 with ``exp``;

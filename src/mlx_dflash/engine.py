@@ -24,8 +24,9 @@ import mlx.core as mx
 from .distributed import from_rank_zero, shared_seed
 from .policy import BlockPolicy, CycleClock
 from .proposer import Proposer
-from .sampling import SamplingParams, first_token, sample_drafts, verify
+from .sampling import SamplingParams, first_token, node_choices, sample_drafts, verify
 from .target import Target
+from .tree import DraftTree, draft_tree
 
 ProgressCallback = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens)
 
@@ -49,6 +50,8 @@ class Block:
     features: mx.array  # the tapped target features of the block, the draft's next context
     guess: Optional[mx.array]  # drafts past the verified ones, for the policy to check (policy.py)
     launch_seconds: float  # host time spent building and queueing it
+    tree: Optional[DraftTree] = None  # a tree's verify: ``tokens`` is the target's choice after each node
+    path: Optional[list[int]] = None  # the tree's accepted nodes, once walked
 
     @property
     def size(self) -> int:
@@ -77,7 +80,8 @@ class BlockRunner:
     """Drafts and verifies blocks against one target cache, and rolls it back."""
 
     def __init__(self, target: Target, proposer: Proposer, cache: list[Any], block_size: int,
-                 sampling: Optional[SamplingParams], policy: Optional[BlockPolicy], history: list[int]):
+                 sampling: Optional[SamplingParams], policy: Optional[BlockPolicy], history: list[int],
+                 tree_budget: Optional[int] = None):
         self.target, self.proposer, self.cache = target, proposer, cache
         self.block_size, self.sampling, self.policy = block_size, sampling, policy
         self.history = history  # committed tokens before the current block (logits processors read it)
@@ -89,19 +93,30 @@ class BlockRunner:
         # processors, which read the history on the host.
         self.queue_steps = not processors
         self.queue_blocks = sampling is None and target.rolls_back_on_device and target.options.queue_ahead
+        # Trees (sizes past the block: tree.py) where the target, the proposer and the sampling allow
+        # them. A tree is built on the host from the draft's distributions: never queued ahead.
+        self.trees = target.verifies_trees and hasattr(proposer, "draft_logits") and not processors and block_size > 1
+        self.tree_budget = tree_budget if self.trees else None
+        if self.trees and (tree_budget is not None or policy is not None and policy.sizes[-1] > block_size):
+            self.queue_blocks = False
 
     def next_size(self, wanted: int) -> tuple[int, bool]:
         """The next block's size (at most ``wanted`` tokens) and whether it carries a forecast."""
         if self.policy is None:
+            if self.tree_budget is not None and wanted > 1:  # (a generation's end cuts what it commits)
+                return 1 + self.tree_budget, False
             return min(self.block_size, wanted), False
-        return self.policy.choose(limit=wanted), self.policy.wants_forecast
+        return self.policy.choose(limit=wanted, trees=self.trees), self.policy.wants_forecast
 
     def launch(self, first: mx.array, size: int, forecast: bool = False) -> Block:
         """Draft ``size - 1`` tokens after ``first`` and verify the block in one target pass, lazily
-        (queued on the device). With a policy a short greedy block drafts one token more, and
-        with ``forecast`` a plain step drafts a full block beside it: guesses for the policy."""
+        (queued on the device); a size past the block is a tree of ``size - 1`` nodes. With a
+        policy a short greedy block drafts one token more, and with ``forecast`` a plain step
+        drafts a full block beside it: guesses for the policy."""
         tic = time.perf_counter()
         n, guess, accepted = size - 1, None, None
+        if size > self.block_size:
+            return self._launch_tree(first, n, tic)
         if n == 0 and self.sampling is None:  # a plain greedy step, in as few ops as mlx-lm's
             logits, features = self.target(first[None], self.cache)
             tokens = mx.argmax(logits[0], axis=-1)
@@ -117,6 +132,27 @@ class BlockRunner:
         seconds = time.perf_counter() - tic
         self.clock.add_launch(seconds)
         return Block(tokens, accepted, features, guess, seconds)
+
+    def _launch_tree(self, first: mx.array, budget: int, tic: float) -> Block:
+        """Draft a full block's slots after ``first``, grow the tree of ``budget`` nodes from
+        their distributions (the host reads each slot's top candidates), verify it in one pass."""
+        logits = self.proposer.draft_logits(first, self.block_size - 1)
+        tree = draft_tree(first.item(), logits, budget)
+        logits, features = self.target.verify_tree(tree, self.cache)
+        choices = node_choices(self.sampling, logits[0])
+        mx.async_eval(choices, features)
+        seconds = time.perf_counter() - tic
+        self.clock.add_launch(seconds)
+        return Block(choices, None, features, None, seconds, tree=tree)
+
+    def read(self, block: Block) -> list[int]:
+        """The cycle's one device-to-host read: the committed tokens, accepted drafts then the
+        bonus token (a tree's: walked on the host along the target's choices)."""
+        if block.tree is not None:
+            block.path, bonus = block.tree.walk(block.tokens.tolist())
+            return [block.tree.tokens[node] for node in block.path[1:]] + [bonus]
+        a = 0 if block.accepted is None else block.accepted.item()
+        return block.tokens.tolist()[: a + 1]
 
     def _draft(self, first: mx.array, n: int, history: Optional[mx.array]
                ) -> tuple[mx.array, Optional[mx.array], Optional[mx.array]]:
@@ -137,9 +173,13 @@ class BlockRunner:
         """Roll back to ``a`` accepted drafts (read, or still on the device): drop the rejected
         drafts from the caches (the bonus is not cached yet), add the kept tokens' context;
         return the next block's first token, the bonus ([1])."""
-        if block.accepted is None:  # a plain greedy step keeps its token
+        if block.accepted is None and block.tree is None:  # a plain greedy step keeps its token
             self.proposer.add_context(block.features)
             return block.tokens
+        if block.tree is not None:  # the walked path's nodes, moved together
+            self.target.keep_path(self.cache, block.path, block.size)
+            self.proposer.add_context(block.features[:, mx.array(block.path)])
+            return block.tokens[block.path[-1] : block.path[-1] + 1]
         self.target.rollback(self.cache, block.size - 1 - a)
         self.proposer.add_context(block.features, a + 1)
         return block.tokens[a : a + 1] if isinstance(a, int) else block.tokens[a.reshape(1)]
@@ -172,11 +212,13 @@ def decode_cycles(
     sampling: Optional[SamplingParams] = None,
     policy: Optional[BlockPolicy] = None,
     prompt_progress: Optional[ProgressCallback] = None,
+    tree_budget: Optional[int] = None,
 ) -> Iterator[Cycle]:
     """DFlash decoding; yields committed tokens cycle by cycle, at most ``max_tokens``.
 
     ``sampling=None`` is plain greedy; otherwise see ``sampling.py`` (lossless sampling).
     ``policy`` picks each cycle's block size (up to ``block_size``) from measured speed.
+    ``tree_budget``: verify trees of that many drafted nodes instead of chains (``tree.py``).
     """
     cache = target.make_cache()
     proposer.start(target)
@@ -189,7 +231,7 @@ def decode_cycles(
     latest, emitted = first.item(), 1
     yield Cycle([latest], None)
 
-    runner = BlockRunner(target, proposer, cache, block_size, sampling, policy, prompt.tolist())
+    runner = BlockRunner(target, proposer, cache, block_size, sampling, policy, prompt.tolist(), tree_budget)
     block = runner.launch(first, *runner.next_size(max_tokens - emitted)) if emitted < max_tokens else None
     while block is not None:
         # Roll back before the read where the device knows the count, and queue the next cycle.
@@ -202,8 +244,8 @@ def decode_cycles(
                 queued = runner.launch(first, *choice) if runner.queue_blocks or choice[0] == 1 else None
         # Accept: the cycle's one device-to-host read. (Sliced on the host: reading a slice would
         # wait for everything queued before it, the next cycle included.)
-        a = 0 if block.accepted is None else block.accepted.item()
-        committed = block.tokens.tolist()[: a + 1]
+        committed = runner.read(block)
+        a = len(committed) - 1
         runner.record(block, committed)
         if not on_device:  # roll back by the count just read
             first = runner.keep(block, a)

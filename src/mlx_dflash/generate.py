@@ -15,7 +15,7 @@ from .distributed import check_agreement
 from .engine import ProgressCallback, decode_cycles
 from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
-from .policy import BlockPolicy
+from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
 from .proposer import DFlashProposer, Proposer
 from .sampling import SamplingParams
 from .target import Target, check_compatible, context_length
@@ -126,6 +126,7 @@ def stream_generate(
     continuation: bool = False,
     prompt_progress: Optional[ProgressCallback] = None,
     warmup: bool = False,
+    trees: Union[bool, int] = True,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
@@ -144,6 +145,9 @@ def stream_generate(
     ``options``: how the engine runs (``options.py``; the output does not depend on them).
     ``warmup``: first run every path of a generation once (``warmup.py``), so that on a GPU
     the first generation of a process does not compile kernels while it is timed.
+    ``trees``: verify trees of drafts (``tree.py``) where the adaptive policy measures them
+    faster (True), never (False), or with a budget B: the policy's one tree, and with fixed
+    blocks every full block a tree of B nodes. Targets with recurrent layers verify chains.
     """
     target, proposer = make_proposer(model, draft, options)
     block_size = proposer.block_size if block_size is None else block_size
@@ -169,15 +173,19 @@ def stream_generate(
     seeded = sampling is not None and sampling.seed is not None
     policy = None
     if adaptive and not seeded:
-        policy = adaptive if isinstance(adaptive, BlockPolicy) else BlockPolicy(block_size)
+        policy = adaptive if isinstance(adaptive, BlockPolicy) else BlockPolicy(block_size, tree_budgets=tree_budgets(trees))
         if policy.max_block != block_size:
             raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {block_size}")
+    fixed_tree = fixed_tree_budget(trees) if policy is None else None
+    if fixed_tree is not None:
+        check_tree_budget(fixed_tree, block_size)
     if warmup:  # (before the policy's first text: it learns the block costs)
-        warm_up(model, proposer, block_size, options, policy=policy)
+        warm_up(model, proposer, block_size, options, policy=policy, tree_budgets=[fixed_tree] if fixed_tree else [])
     if policy is not None:
         policy.start_text()
     tic = time.perf_counter()
-    cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, prompt_progress)
+    cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, prompt_progress,
+                           tree_budget=fixed_tree)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:
             prefill_s = time.perf_counter() - tic

@@ -36,7 +36,9 @@ costs one draft pass per text instead of a verified block.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence, Union
+
+from .errors import DFlashError
 
 PROBE_START = 16  # cycles between probes, doubled after each losing probe
 PROBE_MAX = 256
@@ -50,22 +52,48 @@ RETIME_STEPS = 3  # such a probe's plain steps: the switch (not timed) and two t
 # otherwise kept blocks for as long as its good start outweighed the poor cycles since
 # (the value chosen with tools/policy_simulation.py --slot-decay: docs/performance.md).
 SLOT_DECAY = 0.98
+# The trees the policy may verify instead of a full block (their budgets: drafted nodes). A tree
+# costs more to verify than the block's chain and commits at least about what the chain does;
+# probed like a larger block, one budget up at a time.
+TREE_BUDGETS = (32, 64)
+MAX_TREE_BUDGET = 1024
 
 
-def candidate_sizes(max_block: int) -> list[int]:
-    """Plain decoding, the powers of two below the draft's block, and the block itself."""
+def candidate_sizes(max_block: int, tree_budgets: Sequence[int] = ()) -> list[int]:
+    """Plain decoding, the powers of two below the draft's block, the block itself, then the
+    trees: a tree of B drafted nodes verifies 1 + B tokens (``tree.py``)."""
     sizes, size = [], 1
     while size < max_block:
         sizes.append(size)
         size *= 2
-    return sizes + [max_block]
+    return sizes + [max_block] + [1 + budget for budget in sorted(set(tree_budgets))]
+
+
+def tree_budgets(trees: Union[bool, int]) -> tuple[int, ...]:
+    """The tree budgets a policy may pick: ``TREE_BUDGETS`` (True), none (False), or one."""
+    if isinstance(trees, bool):
+        return TREE_BUDGETS if trees else ()
+    return (trees,)
+
+
+def fixed_tree_budget(trees: Union[bool, int]) -> Optional[int]:
+    """The budget of ``trees`` when it names one (fixed blocks then verify trees of it)."""
+    return None if isinstance(trees, bool) else trees
+
+
+def check_tree_budget(budget: int, max_block: int) -> None:
+    if not max_block <= budget <= MAX_TREE_BUDGET:
+        raise DFlashError(f"a tree budget must be in {max_block}..{MAX_TREE_BUDGET} (at least the block size), "
+                          f"got {budget}")
 
 
 class BlockPolicy:
-    def __init__(self, max_block: int, slot_decay: float = SLOT_DECAY):
+    def __init__(self, max_block: int, slot_decay: float = SLOT_DECAY, tree_budgets: Sequence[int] = TREE_BUDGETS):
         self.slot_decay = slot_decay  # how fast acceptance statistics fade (1.0: never)
         self.max_block = max_block
-        self.sizes = candidate_sizes(max_block)
+        for budget in tree_budgets:
+            check_tree_budget(budget, max_block)
+        self.sizes = candidate_sizes(max_block, tree_budgets if max_block > 1 else ())
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
         self.samples: dict[int, int] = {}  # block size -> cycles seen
         # (block, acceptance, seconds, forecast) of each recorded cycle, when a caller sets a list
@@ -85,6 +113,7 @@ class BlockPolicy:
         self.timed_previous: int | None = None  # the latest cycle's size if that cycle was timed
         self.slot_checked = [0] * self.max_block  # slot k: cycles whose slots 1..k-1 were all accepted
         self.slot_accepted = [0] * self.max_block
+        self.tree_tokens: dict[int, tuple[float, float]] = {}  # tree size -> (tokens committed, cycles), fading
         self.cycles = 0  # cycles recorded
         self.chosen = 0  # sizes chosen: one ahead of ``cycles`` when the engine queues the next cycle early
         self.since_probe = 0
@@ -101,7 +130,11 @@ class BlockPolicy:
         self.guess_from = 1  # the block slot its first token guesses
 
     def expected_tokens(self, block: int) -> float:
-        """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it)."""
+        """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it).
+        A tree: the tokens its cycles committed on average (before any: a full block's)."""
+        if block > self.max_block:
+            tokens, cycles = self.tree_tokens.get(block, (0.0, 0.0))
+            return tokens / cycles if cycles else self.expected_tokens(self.max_block)
         expected, reach = 1.0, 1.0
         for k in range(1, block):
             checked = self.slot_checked[k]
@@ -122,20 +155,22 @@ class BlockPolicy:
         then costs no exploration beyond the warm-up)."""
         return self.expected_tokens(block) / self.seconds[1] > best_rate
 
-    def choose(self, limit: int | None = None) -> int:
+    def choose(self, limit: int | None = None, trees: bool = True) -> int:
         """The next block size, at most ``limit`` (the tokens still wanted): every block is
         then a whole candidate size whose cost can be learned, also in short generations.
+        A tree (a size past the block) where ``trees`` and a full block fits.
         Sets ``wants_forecast`` when the plain step it picks should carry a forecast."""
         self.wants_forecast = False
-        size = self._choose(limit)
+        size = self._choose(limit, trees)
         self.chosen += 1
         if size > 1 and self.forecasting:  # blocks measure the acceptance themselves
             self._settle_forecast()
         return size
 
-    def _choose(self, limit: int | None) -> int:
-        sizes = [size for size in self.sizes if limit is None or size <= limit]
-        largest = sizes[-1]
+    def _choose(self, limit: int | None, trees: bool) -> int:
+        room = self.max_block if limit is None else min(limit, self.max_block)
+        largest = max(size for size in self.sizes if size <= room)  # (a text starts with chains)
+        sizes = [size for size in self.sizes if size <= largest or trees and largest == self.max_block]
         if largest == 1 or (self.forecasting and self.guess_checked == 0):
             return 1  # (a forecast's first slot decides whether blocks are worth a try)
         if self.chosen == 0 and self.plain_won and largest in self.seconds:
@@ -158,7 +193,7 @@ class BlockPolicy:
             if self.since_retime >= self.retime_every and not self.forecasting:
                 self.since_retime, self.retiming, self.probing = 0, RETIME_STEPS - 1, 1
                 return 1
-        if best == largest:
+        if best == sizes[-1]:
             return best
         self.since_probe += 1
         if self.since_probe >= self.probe_every and not self.forecasting:  # look one size up now and then
@@ -224,11 +259,16 @@ class BlockPolicy:
         accepted = acceptance - 1
         self.slot_checked = [n * self.slot_decay for n in self.slot_checked]
         self.slot_accepted = [n * self.slot_decay for n in self.slot_accepted]
-        for k in range(1, accepted + 1):
-            self.slot_checked[k] += 1
-            self.slot_accepted[k] += 1
-        if accepted + 1 < block:  # the first rejected slot
-            self.slot_checked[accepted + 1] += 1
+        self.tree_tokens = {size: (t * self.slot_decay, c * self.slot_decay) for size, (t, c) in self.tree_tokens.items()}
+        if block > self.max_block:  # a tree: its slots are not the chain's
+            tokens, cycles = self.tree_tokens.get(block, (0.0, 0.0))
+            self.tree_tokens[block] = (tokens + acceptance, cycles + 1)
+        else:
+            for k in range(1, accepted + 1):
+                self.slot_checked[k] += 1
+                self.slot_accepted[k] += 1
+            if accepted + 1 < block:  # the first rejected slot
+                self.slot_checked[accepted + 1] += 1
         steady, self.previous_block = self.previous_block == block, block
         if block not in self.sizes:  # a block of another size (a caller's own limit): no cost to learn
             return

@@ -238,3 +238,16 @@ def trim_attention_cache(cache: Any, num_tokens: Count, memo: Optional[dict] = N
     trimmed = cache.trim(num_tokens)
     if trimmed != num_tokens:
         raise RuntimeError(f"cache trimmed {trimmed} of {num_tokens} tokens")
+
+
+def keep_path(cache: Any, path: list[int], tree_size: int) -> None:
+    """After a tree's verify wrote its ``tree_size`` nodes at the end of a key/value cache: keep
+    the nodes of ``path`` (indices into the tree, the root first), moved to consecutive positions
+    (their RoPE positions already are), and drop the rest. The host knows every count here."""
+    end = cache.state[5] if isinstance(cache, RotatingKVCache) else cache.offset  # (its buffer is in temporal order)
+    start = end - tree_size
+    if path != list(range(len(path))):
+        moved = mx.array([start + node for node in path])
+        cache.keys[..., start : start + len(path), :] = cache.keys[..., moved, :]
+        cache.values[..., start : start + len(path), :] = cache.values[..., moved, :]
+    trim_attention_cache(cache, tree_size - len(path))

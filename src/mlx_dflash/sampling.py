@@ -149,6 +149,14 @@ def verify(params: Optional[SamplingParams], logits: mx.array, history: Optional
     return speculative_accept(p, q, drafted)
 
 
+def node_choices(params: Optional[SamplingParams], logits: mx.array) -> mx.array:
+    """The target's own choice after each node of a tree [n]: its argmax, or a sample of its
+    distribution (every kept token is then the target's own draw: no rejection sampling)."""
+    if params is None or params.greedy:
+        return mx.argmax(logits, axis=-1)
+    return sample(params.probabilities(logits))
+
+
 def speculative_accept(p: mx.array, q: mx.array, drafted: mx.array,
                        uniform: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
     """Standard speculative sampling over one block, entirely on the device.

@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .distributed import receive_job, send_job, sharding_group
 from .generate import encode_prompt, stream_generate
 from .errors import DFlashError
-from .policy import BlockPolicy
+from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
 from .sampling import MAX_SEED, SamplingParams
 
 ROLES = {"system", "user", "assistant"}
@@ -54,10 +54,14 @@ class Served:
     max_tokens_limit: int
     adaptive: bool = True  # plain decoding while drafts lose (same output either way)
     block_size: Optional[int] = None  # the largest block (default: the draft's)
+    trees: Union[bool, int] = True  # tree verification (``stream_generate``'s ``trees``)
 
     def __post_init__(self) -> None:
         # one block policy for all requests: the costs it measured carry over (policy.py)
-        self.policy = BlockPolicy(self.block_size or self.draft.block_size) if self.adaptive else None
+        block_size = self.block_size or self.draft.block_size
+        self.policy = BlockPolicy(block_size, tree_budgets=tree_budgets(self.trees)) if self.adaptive else None
+        if fixed_tree_budget(self.trees) is not None:
+            check_tree_budget(fixed_tree_budget(self.trees), block_size)
         self.group = sharding_group(self.model)  # a sharded target's processes: the others follow (``follow``)
 
 
@@ -189,7 +193,8 @@ def generations(served: Served) -> Callable[[Job], Iterator]:
         # (a completion continues its prompt exactly: its first token keeps a leading space)
         return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
                                max_tokens=job.max_tokens, block_size=block_size, stop=job.stop,
-                               sampling=job.sampling, adaptive=adaptive, continuation=not job.chat)
+                               sampling=job.sampling, adaptive=adaptive, continuation=not job.chat,
+                               trees=served.trees)
     return stream
 
 

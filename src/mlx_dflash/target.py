@@ -17,14 +17,14 @@ import copy
 import functools
 import json
 import sys
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .cpu_kernels import block_kernels
 from .delta_rule import BlockDeltaMixer
@@ -32,9 +32,10 @@ from .distributed import check_shardable, sharding_group
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
-from .projections import block_projections
-from .rollback import (PADDED_BLOCK, BufferView, DeviceKVCache, cache_arrays, device_count, is_recurrent,
+from .projections import block_projections, swapped
+from .rollback import (PADDED_BLOCK, BufferView, DeviceKVCache, cache_arrays, device_count, is_recurrent, keep_path,
                        recurrent_view, trim_attention_cache, unsupported_cache)
+from .tree import DraftTree, tree_mask
 
 # Families tested end to end against mlx-lm greedy (tests/test_families.py). Others fail
 # at load time: a family we have not checked could hide a cache we cannot roll back.
@@ -80,6 +81,35 @@ class TappedLayer(nn.Module):
             return getattr(super().__getattr__("layer"), name)
 
 
+class TreeRope(nn.Module):
+    """A layer's RoPE during a tree's verify: each node at the block's start plus its depth
+    (one call: the nodes become the batch, each with its own offset)."""
+
+    def __init__(self, rope: nn.Module, depths: mx.array):
+        super().__init__()
+        self.rotate = rope.__call__  # (a plain attribute: the module stays its parent's)
+        self.depths = depths
+
+    def __call__(self, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
+        return self.rotate(x.swapaxes(0, 2), offset=offset + self.depths).swapaxes(0, 2)
+
+
+class TreeMaskedCache:
+    """A layer's cache during a tree's verify: the cache itself, with the tree's mask."""
+
+    def __init__(self, cache: Any, tree: DraftTree):
+        self._cache, self._tree = cache, tree
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+        sequential = self._cache.make_mask(N, return_array=True, window_size=window_size)
+        if isinstance(self._cache, RotatingKVCache):  # (its block goes after the window it keeps)
+            return tree_mask(self._tree, sequential, sequential.shape[-1] - N, window_size or self._cache.max_size)
+        return tree_mask(self._tree, sequential, self._cache.offset, window_size)
+
+
 def _model_type(model: nn.Module) -> str:
     return getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")
 
@@ -110,6 +140,8 @@ class Target:
         # Every layer can be cut by a count still on the device (plain KV caches and recurrent
         # layers): the engine then queues a cycle before it reads the previous one's count.
         self.rolls_back_on_device = all(type(c) is KVCache or is_recurrent(c) for c in caches)
+        # Trees (tree.py) need attention caches whose keys can be moved together after the walk.
+        self.verifies_trees = all(type(c) in (KVCache, RotatingKVCache) for c in caches)
         self.group = sharding_group(model)  # the processes it is sharded over (distributed.py), or None
         self.recorder = _Recorder()
         self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
@@ -261,17 +293,33 @@ class Target:
                 layer_cache.wrote(a, b, n, end)
         return logits, features
 
-    def _forward(self, tokens: mx.array, cache: list[Any], block: bool = False) -> tuple[mx.array, mx.array]:
+    def verify_tree(self, tree: DraftTree, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """Logits and features of a tree's nodes [1, size, ...] (``tree.py``), in one forward of
+        the model's own code: its RoPE modules at the nodes' positions, its caches with the
+        tree's mask. Caches hold the nodes after it, for ``keep_path``."""
+        self._latest_length = tree.size
+        depths = mx.array(tree.depths)
+        ropes = [(parent, "rope", parent.rope, TreeRope(parent.rope, depths)) for parent in self._rope_parents()]
+        tokens = mx.array(tree.tokens, dtype=mx.uint32)[None]
+        return self._forward(tokens, [TreeMaskedCache(c, tree) for c in cache], block=True, within=swapped(ropes))
+
+    def _rope_parents(self) -> list[nn.Module]:
+        return [module for layer in self._layer_list() for module in layer.modules() if "rope" in module.children()]
+
+    def keep_path(self, cache: list[Any], path: list[int], tree_size: int) -> None:
+        """After ``verify_tree``: keep the accepted nodes (``path``, from the root), moved to
+        consecutive positions; drop the others."""
+        for layer_cache in cache:
+            keep_path(layer_cache, path, tree_size)
+
+    def _forward(self, tokens: mx.array, cache: list[Any], block: bool = False,
+                 within: AbstractContextManager = nullcontext()) -> tuple[mx.array, mx.array]:
         """The model's own forward, recording the taps; on the CPU in float32 with
         ``cpu_kernels``' RoPE tables, and a ``block`` (a verify) with its attention and SwiGLU;
-        on CUDA a ``block`` with ``cuda_attention``."""
-        if self._block_kernels is None:
-            kernels = nullcontext()
-        else:  # (steps and prompts: RoPE from shared tables alone, mlx-lm's numbers bit for bit)
-            kernels = self._block_kernels.installed() if block else self._block_kernels.exact()
+        on CUDA a ``block`` with ``cuda_attention``; ``within`` a context of the caller's (inside those)."""
         self.recorder.active = True
         try:
-            with kernels:
+            with self._kernels(block), within:
                 logits = self.model(tokens, cache=cache)
             tapped = [self.recorder.outputs[i] for i in self.layer_ids]
             features = mx.concatenate(tapped, axis=-1) if tapped else mx.zeros((*tokens.shape, 0))
@@ -279,6 +327,12 @@ class Target:
             self.recorder.active = False
             self.recorder.outputs = {}
         return logits, features
+
+    def _kernels(self, block: bool) -> Any:
+        if self._block_kernels is None:
+            return nullcontext()
+        # (steps and prompts: RoPE from shared tables alone, mlx-lm's numbers bit for bit)
+        return self._block_kernels.installed() if block else self._block_kernels.exact()
 
     def rollback(self, cache: list[Any], num_tokens: Union[int, mx.array]) -> None:
         """Drop the last ``num_tokens`` positions (rejected draft tokens) of the latest call;

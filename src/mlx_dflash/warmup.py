@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,14 +36,18 @@ REPEATS = 3  # cycles of each size: the first after a read count, then queued be
 
 class ScriptedSizes:
     """Stands in for ``BlockPolicy``: picks the sizes of ``script`` in turn (1 after it ends);
-    a plain step marked 0 carries a forecast. Passes what each cycle cost on to ``teaches``."""
+    a plain step marked 0 carries a forecast; a tree (past ``block_size``) a full block where
+    trees cannot run. Passes what each cycle cost on to ``teaches``."""
 
-    def __init__(self, script: list[int], teaches: Optional[BlockPolicy] = None):
+    def __init__(self, script: list[int], block_size: int, teaches: Optional[BlockPolicy] = None):
         self.script, self.wants_forecast, self.teaches = list(script), False, teaches
+        self.block_size, self.sizes = block_size, sorted(set(script))
 
-    def choose(self, limit: Optional[int] = None) -> int:
+    def choose(self, limit: Optional[int] = None, trees: bool = True) -> int:
         size = self.script.pop(0) if self.script else 1
         self.wants_forecast = size == 0
+        if size > self.block_size and not trees:
+            size = self.block_size
         return max(min(size, limit or size), 1)
 
     def record_cycle(self, block: int, committed: list[int], seconds: float, guess: Optional[list[int]]) -> None:
@@ -51,10 +55,10 @@ class ScriptedSizes:
             self.teaches.record_cycle(block, committed, seconds, guess)
 
 
-def adaptive_script(block_size: int) -> list[int]:
-    """Each candidate size, largest first, ``REPEATS`` times; plain steps with a forecast and
-    without; then a block again right after plain steps."""
-    sizes = [size for size in reversed(candidate_sizes(block_size)) if size > 1]
+def adaptive_script(block_size: int, tree_budgets: Sequence[int] = ()) -> list[int]:
+    """Each candidate size (trees too), largest first, ``REPEATS`` times; plain steps with a
+    forecast and without; then a block again right after plain steps."""
+    sizes = [size for size in reversed(candidate_sizes(block_size, tree_budgets)) if size > 1]
     return [size for size in sizes for _ in range(REPEATS)] + [0, 1, 1, block_size, block_size]
 
 
@@ -76,18 +80,18 @@ def run_path(target: Target, proposer: Proposer, prompt_length: int, block_size:
     """Decode after a made-up prompt: ``REPEATS`` blocks of ``block_size``, or the sizes of
     ``script`` (see ``ScriptedSizes``); returns the sizes of the cycles run."""
     prompt = (mx.arange(prompt_length) * 7919 + 11) % target.vocab_size  # any ids will do
-    policy = ScriptedSizes(script, teaches) if script is not None else None
+    policy = ScriptedSizes(script, block_size, teaches) if script is not None else None
     cycles = len(script) if script is not None else REPEATS
-    max_tokens = 1 + (cycles + 1) * block_size  # (never the limit: the script's sizes stay whole)
+    max_tokens = 1 + (cycles + 1) * max([block_size, *(script or [])])  # (never the limit: the script's sizes stay whole)
     stream = decode_cycles(target, proposer, prompt.astype(mx.uint32), max_tokens, block_size, sampling, policy)
     return [cycle.block_size for cycle in itertools.islice(stream, cycles + 1)][1:]  # (after the prefill's token)
 
 
 def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: Optional[int] = None,
             options: EngineOptions = DEFAULT_OPTIONS, sampling: bool = True,
-            policy: Optional[BlockPolicy] = None) -> float:
+            policy: Optional[BlockPolicy] = None, tree_budgets: Sequence[int] = ()) -> float:
     """Run each path of a generation with ``draft`` once (``sampling``: temperature sampling
-    too); returns the seconds it took. A ``policy`` then learns what each block size costs,
+    too; trees of ``tree_budgets``, or the ``policy``'s); returns the seconds it took. A ``policy`` then learns what each block size costs,
     from a second pass over them (its kernels built by the first): its first text need not
     spend full blocks on learning them, which a useless draft pays for."""
     from .generate import make_proposer
@@ -95,9 +99,10 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
     tic = time.perf_counter()
     target, proposer = make_proposer(model, draft, options)
     block_size = block_size or proposer.block_size
+    trees = [size - 1 for size in policy.sizes if size > block_size] if policy is not None else tree_budgets
     room = (context_length(model) or 1 << 30) - 1
     short = min(SHORT_PROMPT, room // 2)
-    run_path(target, proposer, short, block_size, script=adaptive_script(block_size))
+    run_path(target, proposer, short, block_size, script=adaptive_script(block_size, trees))
     run_path(target, proposer, short, block_size)  # fixed blocks
     run_path(target, proposer, short, 1)  # plain steps, no policy
     longest = long_prompt_length(target, proposer)
@@ -108,6 +113,6 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
         run_path(target, proposer, short, block_size, sampling=temperature)
         run_path(target, proposer, short, 1, sampling=temperature)
     if policy is not None:
-        run_path(target, proposer, short, block_size, script=adaptive_script(block_size), teaches=policy)
+        run_path(target, proposer, short, block_size, script=adaptive_script(block_size, trees), teaches=policy)
     mx.synchronize()
     return time.perf_counter() - tic

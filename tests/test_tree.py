@@ -1,0 +1,168 @@
+"""Tree verification (DDTree, ``tree.py``): the tree is the budget's most likely prefixes, its
+mask is each node's ancestors, and a tree-verified generation is the target's own, on every
+family with attention caches, greedy and sampled, through the CPU's and the GPU's cache paths."""
+
+import itertools
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, greedy_reference, load_tiny, make_tiny_target
+
+from mlx_dflash import create_random_draft
+from mlx_dflash.engine import decode_cycles
+from mlx_dflash.generate import make_proposer
+from mlx_dflash.options import EngineOptions
+from mlx_dflash.replay import ReplayProposer
+from mlx_dflash.sampling import SamplingParams
+from mlx_dflash.target import Target
+from mlx_dflash.tree import DraftTree, build_tree, top_candidates, tree_mask
+
+TREE_FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"]
+MAX_TOKENS = 40
+
+
+def brute_force_top(logprobs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
+    """The ``budget`` best prefixes (as rank tuples) among all of them."""
+    depth, k = logprobs.shape
+    scored = []
+    for length in range(1, depth + 1):
+        for ranks in itertools.product(range(k), repeat=length):
+            scored.append((sum(logprobs[d, r] for d, r in enumerate(ranks)), ranks))
+    scored.sort(reverse=True)
+    return {ranks for _, ranks in scored[:budget]}
+
+
+def tree_prefixes(tree: DraftTree, ids: np.ndarray) -> set[tuple[int, ...]]:
+    """Each node's prefix as rank tuples (ids[d] lists depth d + 1's candidates)."""
+    prefixes = {0: ()}
+    for node in range(1, tree.size):
+        rank = list(ids[tree.depths[node] - 1]).index(tree.tokens[node])
+        prefixes[node] = prefixes[tree.parents[node]] + (rank,)
+    return set(prefixes[node] for node in range(1, tree.size))
+
+
+@pytest.mark.parametrize("depth,k,budget", [(1, 4, 3), (3, 3, 5), (4, 2, 9), (3, 4, 20), (2, 5, 25), (5, 3, 1)])
+def test_tree_is_the_best_prefixes(depth, k, budget):
+    rng = np.random.default_rng(depth * 100 + k * 10 + budget)
+    logprobs = -np.sort(rng.exponential(2.0, (depth, k)), axis=1)  # best first, no ties
+    ids = np.stack([rng.permutation(50)[:k] for _ in range(depth)])
+    tree = build_tree(7, logprobs, ids, budget)
+    assert tree.size == 1 + min(budget, sum(k**d for d in range(1, depth + 1)))
+    assert tree_prefixes(tree, ids) == brute_force_top(logprobs, budget)
+    assert all(tree.parents[n] < n and tree.depths[n] == tree.depths[tree.parents[n]] + 1 for n in range(1, tree.size))
+    assert tree.depths == sorted(tree.depths) and tree.tokens[0] == 7
+
+
+def test_top_candidates_are_sorted_log_probabilities():
+    logits = mx.random.normal((3, 40), key=mx.random.key(3))
+    values, ids = top_candidates(logits, 5)
+    full = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    expected = np.argsort(-full, axis=1)[:, :5]
+    assert (np.array(ids) == expected).all()
+    np.testing.assert_allclose(np.array(values), np.take_along_axis(full, expected, axis=1), rtol=1e-6)
+
+
+def test_walk_follows_the_targets_choices():
+    #      0 -> 1 (tok 5) -> 3 (tok 8)
+    #        -> 2 (tok 6) -> 4 (tok 9)
+    tree = DraftTree(tokens=[1, 5, 6, 8, 9], parents=[-1, 0, 0, 1, 2], depths=[0, 1, 1, 2, 2])
+    assert tree.walk([6, 0, 9, 0, 4]) == ([0, 2, 4], 4)
+    assert tree.walk([5, 7, 0, 0, 0]) == ([0, 1], 7)
+    assert tree.walk([3, 0, 0, 0, 0]) == ([0], 3)
+
+
+def test_mask_shows_each_node_its_ancestors_and_the_past():
+    tree = DraftTree(tokens=[1, 5, 6, 8, 9], parents=[-1, 0, 0, 1, 2], depths=[0, 1, 1, 2, 2])
+    past = 3
+    sequential = mx.arange(past + 5)[None] <= (past + mx.arange(5))[:, None]
+    mask = np.array(tree_mask(tree, sequential, past))
+    assert mask[:, :past].all()
+    expected = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], bool)
+    assert (mask[:, past:] == expected).all()
+    # a window of 2: node 3 (depth 2) sees its parent, itself, and past positions > start + 2 - 2
+    windowed = np.array(tree_mask(tree, sequential & (mx.arange(past + 5)[None] > (past + mx.arange(5))[:, None] - 2),
+                                  past, window=2))
+    assert windowed[3].tolist() == [False, False, False, False, True, False, True, False]
+
+
+class PlantedProposer(ReplayProposer):
+    """Draft distributions with the target's true next token at a planted rank per slot
+    (0: the chain would take it; 1 or 2: only a tree finds it; None: nowhere near)."""
+
+    RANKS = [0, 1, 0, 2, None, 0, 1]
+
+    def draft_logits(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        rng = np.random.default_rng(self.cycle)
+        logits = rng.random((num_tokens, self.vocab_size)).astype(np.float32)
+        reference = np.array(self.tokens)
+        position = int(self.position)
+        for slot in range(num_tokens):
+            truth = int(reference[min(position + 1 + slot, reference.size - 1)])
+            decoys = [t for t in rng.permutation(self.vocab_size)[:4].tolist() if t != truth]
+            rank = self.RANKS[(self.cycle + slot) % len(self.RANKS)]
+            for token, r in zip(decoys, [r for r in range(4) if r != rank]):
+                logits[slot, token] = 10.0 - r
+            if rank is not None:
+                logits[slot, truth] = 10.0 - rank
+        self.cycle += 1
+        return mx.array(logits)
+
+    def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
+        return mx.argmax(self.draft_logits(first_token, num_tokens), axis=-1)
+
+
+@pytest.fixture(scope="module", params=TREE_FAMILIES)
+def planted(request, tiny_dir):
+    name = request.param
+    assert name in FAMILIES or name in MORE_FAMILIES
+    path = make_tiny_target(tiny_dir / f"tree-{name}", name)
+    model, tokenizer = load_tiny(path)
+    prompt = tokenizer.encode("def fib(n):")
+    reference = greedy_reference(model, prompt, MAX_TOKENS)
+    proposer = PlantedProposer(prompt + reference, 8, [None], model.args.vocab_size)
+    return name, model, prompt, reference, proposer
+
+
+def _generate(model, proposer, prompt, options=EngineOptions(), sampling=None, budget=12, block_size=8):
+    target = Target(model, proposer.layer_ids, options)
+    cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, block_size, sampling,
+                                tree_budget=budget))
+    return [t for c in cycles for t in c.tokens], [c.acceptance_length for c in cycles[1:]]
+
+
+GPU_PATHS = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True, rowwise_products=True)
+
+
+@pytest.mark.parametrize("options", [EngineOptions(), GPU_PATHS], ids=["cpu-paths", "gpu-paths"])
+@pytest.mark.parametrize("mode", ["greedy", "sampling"])
+def test_tree_generation_is_the_targets(planted, mode, options):
+    name, model, prompt, reference, proposer = planted
+    sampling = SamplingParams(temp=1.0, top_k=1) if mode == "sampling" else None
+    tokens, acceptance = _generate(model, proposer, prompt, options, sampling)
+    assert tokens == reference
+    chain_tokens, chain_acceptance = _generate(model, proposer, prompt, options, sampling, budget=None)
+    assert chain_tokens == reference
+    # the planted ranks 1 and 2 are found by the tree only: fewer, longer cycles
+    assert np.mean(acceptance) > np.mean(chain_acceptance) + 0.5, (acceptance, chain_acceptance)
+
+
+def test_a_tree_of_one_node_is_a_chain_of_two(planted):
+    _, model, prompt, reference, proposer = planted
+    tokens, acceptance = _generate(model, proposer, prompt, budget=1)
+    assert tokens == reference and max(acceptance) <= 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_real_draft_with_a_tree(tiny_dir, family):
+    """A (random) DFlash draft through the tree path; hybrid targets keep chains."""
+    path = make_tiny_target(tiny_dir / f"tree-draft-{family}", family)
+    model, tokenizer = load_tiny(path)
+    draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1, block_size=8,
+                                mask_token_id=MASK_ID)
+    prompt = tokenizer.encode("def fib(n):")
+    target, proposer = make_proposer(model, draft)
+    cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, 8, tree_budget=24))
+    assert [t for c in cycles for t in c.tokens] == greedy_reference(model, prompt, MAX_TOKENS)
+    assert max(c.block_size for c in cycles[1:]) == (8 if family == "qwen3_5" else 25)  # (a tree: 1 + 24 nodes)
