@@ -148,6 +148,12 @@ def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):
     assert main(["bench", "--scale", "tiny-hybrid", "--costs-only", "--lengths", "32", "--prompt-len", "16",
                  "--draft-layers", "1", "--draft-vocab", "512", "--out", str(fast)]) == 0
     assert not (fast / "results.json").exists()
+    trees = tmp_path / "tree-costs"  # (an attention target: what a tree's verify costs there)
+    assert main(["bench", "--scale", "tiny", "--costs-only", "--lengths", "32", "--prompt-len", "16",
+                 "--draft-layers", "1", "--block-size", "4", "--replay-mean", "3", "--tree-budgets", "8",
+                 "--out", str(trees)]) == 0
+    costs = json.loads((trees / "cycle_costs.json").read_text())
+    assert all(c["tree8_verify_ms"] > 0 and "tree32_verify_ms" not in c for c in costs)
     assert [c["context_len"] for c in json.loads((fast / "cycle_costs.json").read_text())] == [16, 32]
     assert main(["bench", "--draft-vocab", "512", "--lengths", "8"]) == 2  # a real draft brings its own
     assert "scale mode only" in capsys.readouterr().err

@@ -453,7 +453,8 @@ def _run_bench(args) -> None:
         if out is None:
             return
         out.mkdir(parents=True, exist_ok=True)
-        costs = [cycle_costs(model, draft, n, bs) for n in sorted({args.prompt_len, *args.lengths})]
+        costs = [cycle_costs(model, draft, n, bs, tree_budgets=cfg.tree_budgets)
+                 for n in sorted({args.prompt_len, *args.lengths})]
         (out / "cycle_costs.json").write_text(json.dumps(costs, indent=1))
         for c in costs:
             print(json.dumps(c))

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .distributed import check_shardable
 from .draft import DFlashDraft, create_random_draft
 from .proposer import DFlashProposer
 from .errors import DFlashError
+from .policy import TREE_BUDGETS
 from .target import Target
+from .tree import build_tree
 
 SHAPES = {
     "qwen3-4b": {"model_type": "qwen3", "hidden_size": 2560, "num_hidden_layers": 36, "intermediate_size": 9728,
@@ -137,9 +140,11 @@ def milliseconds_per_call(fn: Callable[[], object], iters: int) -> float:
     return (time.perf_counter() - tic) * 1000 / iters
 
 
-def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, iters: int = 20) -> dict:
+def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, iters: int = 20,
+                tree_budgets: Sequence[int] = TREE_BUDGETS) -> dict:
     """Milliseconds per draft pass, verify pass, rollback of half a block and single-token
-    decode at ``context_len``, and the host's share of a cycle. Rollback is timed as (verify +
+    decode at ``context_len``, a tree's verify and roll back (a path of half a block kept) per
+    budget, and the host's share of a cycle. Rollback is timed as (verify +
     roll back half) - (verify + roll back all): the full rollback is free for every cache, the
     half one is what a hybrid's recurrent layers add (the state after a prefix, delta_rule.py).
     Host: building one cycle's graphs (draft, then verify) in Python before anything runs;
@@ -183,9 +188,28 @@ def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, it
         mx.eval([c.state for c in cache])
         return seconds
 
+    def tree_verify(budget: int) -> Callable[[], None]:
+        rng = np.random.default_rng(budget)
+        logprobs = -np.sort(rng.exponential(1.0, (block_size - 1, budget)), axis=1)
+        tree = build_tree(1, logprobs, rng.integers(0, target.vocab_size, logprobs.shape), budget)
+        path = [0]
+        for node in range(1, tree.size):  # (the first node of each depth, down to half a block)
+            if tree.parents[node] == path[-1] and len(path) < block_size // 2:
+                path.append(node)
+
+        def run():
+            logits, feats = target.verify_tree(tree, cache)
+            mx.eval(mx.argmax(logits, axis=-1), feats)
+            target.keep_path(cache, path, tree.size)
+            target.rollback(cache, len(path))  # (back to the context: the next call sees the same one)
+            mx.eval([c.state for c in cache])
+        return run
+
     host_build()  # warm-up
     host_ms = sum(host_build() for _ in range(iters)) * 1000 / iters
     verify_ms = milliseconds_per_call(verify_then_rollback(0), iters)
+    trees = {budget: milliseconds_per_call(tree_verify(budget), iters) for budget in tree_budgets
+             if target.verifies_trees}
     return {
         "context_len": context_len,
         "draft_ms": milliseconds_per_call(draft_pass, iters),
@@ -193,4 +217,5 @@ def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, it
         "rollback_ms": max(milliseconds_per_call(verify_then_rollback(block_size // 2), iters) - verify_ms, 0.0),
         "decode_one_token_ms": milliseconds_per_call(decode_one, iters),
         "host_ms": host_ms,
+        **{f"tree{budget}_verify_ms": ms for budget, ms in trees.items()},
     }
