@@ -18,6 +18,7 @@ from mlx_dflash.replay import ReplayProposer
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.target import Target
 from mlx_dflash.tree import DraftTree, build_tree, top_candidates, tree_mask
+from mlx_dflash.warmup import ScriptedSizes
 
 TREE_FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"]
 MAX_TOKENS = 40
@@ -129,7 +130,7 @@ def _generate(model, proposer, prompt, options=EngineOptions(), sampling=None, b
     target = Target(model, proposer.layer_ids, options)
     cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, block_size, sampling,
                                 tree_budget=budget))
-    return [t for c in cycles for t in c.tokens], [c.acceptance_length for c in cycles[1:]]
+    return [t for c in cycles for t in c.tokens], [c.acceptance_length for c in cycles[1:]], target
 
 
 GPU_PATHS = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True, rowwise_products=True)
@@ -140,9 +141,11 @@ GPU_PATHS = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True,
 def test_tree_generation_is_the_targets(planted, mode, options):
     name, model, prompt, reference, proposer = planted
     sampling = SamplingParams(temp=1.0, top_k=1) if mode == "sampling" else None
-    tokens, acceptance = _generate(model, proposer, prompt, options, sampling)
+    tokens, acceptance, target = _generate(model, proposer, prompt, options, sampling)
     assert tokens == reference
-    chain_tokens, chain_acceptance = _generate(model, proposer, prompt, options, sampling, budget=None)
+    compiled_trees = any(key[-1] for key in target.recorder.block_forwards)
+    assert compiled_trees == (options is GPU_PATHS and target.rolls_back_on_device)  # (rotating caches: eager)
+    chain_tokens, chain_acceptance, _ = _generate(model, proposer, prompt, options, sampling, budget=None)
     assert chain_tokens == reference
     # the planted ranks 1 and 2 are found by the tree only: fewer, longer cycles
     assert np.mean(acceptance) > np.mean(chain_acceptance) + 0.5, (acceptance, chain_acceptance)
@@ -150,7 +153,7 @@ def test_tree_generation_is_the_targets(planted, mode, options):
 
 def test_a_tree_of_one_node_is_a_chain_of_two(planted):
     _, model, prompt, reference, proposer = planted
-    tokens, acceptance = _generate(model, proposer, prompt, budget=1)
+    tokens, acceptance, _ = _generate(model, proposer, prompt, budget=1)
     assert tokens == reference and max(acceptance) <= 2
 
 
@@ -166,3 +169,16 @@ def test_real_draft_with_a_tree(tiny_dir, family):
     cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, 8, tree_budget=24))
     assert [t for c in cycles for t in c.tokens] == greedy_reference(model, prompt, MAX_TOKENS)
     assert max(c.block_size for c in cycles[1:]) == (8 if family == "qwen3_5" else 25)  # (a tree: 1 + 24 nodes)
+
+
+@pytest.mark.parametrize("options", [EngineOptions(), GPU_PATHS], ids=["cpu-paths", "gpu-paths"])
+def test_trees_among_queued_blocks_and_plain_steps(planted, options):
+    """What an adaptive policy may pick in turn: trees between full blocks queued ahead (GPUs),
+    short blocks and plain steps, with and without a forecast."""
+    _, model, prompt, reference, proposer = planted
+    script = [13, 8, 8, 13, 1, 0, 1, 13, 4, 13, 8, 8, 2, 13, 13] * 3
+    target = Target(model, proposer.layer_ids, options)
+    cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, 8,
+                                policy=ScriptedSizes(script, block_size=8)))
+    assert [t for c in cycles for t in c.tokens] == reference
+    assert 13 in [c.block_size for c in cycles]

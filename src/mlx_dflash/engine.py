@@ -97,8 +97,10 @@ class BlockRunner:
         # them. A tree is built on the host from the draft's distributions: never queued ahead.
         self.trees = target.verifies_trees and hasattr(proposer, "draft_logits") and not processors and block_size > 1
         self.tree_budget = tree_budget if self.trees else None
-        if self.trees and (tree_budget is not None or policy is not None and policy.sizes[-1] > block_size):
-            self.queue_blocks = False
+
+    def queues(self, size: int) -> bool:
+        """Whether a cycle of ``size`` can be queued before the current one's count is read."""
+        return size == 1 or self.queue_blocks and size <= self.block_size
 
     def next_size(self, wanted: int) -> tuple[int, bool]:
         """The next block's size (at most ``wanted`` tokens) and whether it carries a forecast."""
@@ -236,12 +238,12 @@ def decode_cycles(
     while block is not None:
         # Roll back before the read where the device knows the count, and queue the next cycle.
         queued = choice = None
-        on_device = block.size == 1 or runner.queue_blocks
+        on_device = block.tree is None and (block.size == 1 or runner.queue_blocks)
         if on_device:
             first = runner.keep(block, 0 if block.size == 1 else block.accepted[0])
             if (runner.queue_blocks or runner.queue_steps) and emitted + 1 < max_tokens:
                 choice = runner.next_size(max_tokens - emitted - 1)
-                queued = runner.launch(first, *choice) if runner.queue_blocks or choice[0] == 1 else None
+                queued = runner.launch(first, *choice) if runner.queues(choice[0]) else None
         # Accept: the cycle's one device-to-host read. (Sliced on the host: reading a slice would
         # wait for everything queued before it, the next cycle included.)
         committed = runner.read(block)

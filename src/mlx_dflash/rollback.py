@@ -194,18 +194,23 @@ class DeviceKVCache(KVCache):
 
 class BufferView:
     """A ``DeviceKVCache`` inside a compiled block forward (``Target``): its whole buffer read,
-    written at a device offset, masked past each query. Only arrays, no host counts: one trace
-    serves every block of a length while the buffers keep their size (256 positions)."""
+    written at a device offset, masked past each query (a tree's nodes: the past and their
+    ``ancestors``, [nodes, nodes]). Only arrays, no host counts: one trace serves every block of
+    a length while the buffers keep their size (256 positions)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
-        self.keys, self.values, self.offset = keys, values, offset
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, ancestors: Optional[mx.array] = None):
+        self.keys, self.values, self.offset, self.ancestors = keys, values, offset, ancestors
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.keys, self.values = write_at(self.keys, keys, self.offset), write_at(self.values, values, self.offset)
         return self.keys, self.values
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
-        return visible_keys(self.keys.shape[2], self.offset, N)
+        if self.ancestors is None:
+            return visible_keys(self.keys.shape[2], self.offset, N)
+        node = mx.arange(self.keys.shape[2]) - self.offset  # (the tree's node at each key position)
+        inside = mx.take(self.ancestors, mx.clip(node, 0, N - 1), axis=1) & (node < N)
+        return (node < 0)[None] | inside
 
 
 def recurrent_view(window: mx.array, state: mx.array) -> ArraysCache:

@@ -251,27 +251,33 @@ class Target:
             return self._compiled_block(tokens, cache)
         return self._forward(tokens, cache, block=not prompt and tokens.shape[1] > 1)
 
-    def _compiles(self, tokens: mx.array, cache: list[Any]) -> bool:
-        return (1 < tokens.shape[1] <= self.options.longest_compiled_block(PADDED_BLOCK)
+    def _compiles(self, tokens: mx.array, cache: list[Any], tree: bool = False) -> bool:
+        """Whether this block (or ``tree``: trees compile where the longest blocks do) runs compiled."""
+        longest = self.options.longest_compiled_block(PADDED_BLOCK)
+        return ((1 < tokens.shape[1] <= longest or tree and longest == PADDED_BLOCK)
                 and all(c.keys is not None if isinstance(c, DeviceKVCache) else is_recurrent(c) and not c.empty()
                         for c in cache))
 
-    def _compiled_block(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+    def _compiled_block(self, tokens: mx.array, cache: list[Any], tree: Optional[DraftTree] = None
+                        ) -> tuple[mx.array, mx.array]:
         """The forward of a block under mx.compile, each cache's arrays as inputs and outputs
         (a key/value cache's whole buffer, ``rollback.BufferView``; a recurrent layer's conv
         window and state, and what its mixer keeps for a rewind); traced again only when a shape
         changes. Hybrids (Qwen3.5, Qwen3-Next) compile too: their verify is host-bound on GPUs
-        (many small ops a Gated DeltaNet layer), and the trace is replayed faster than it is built."""
+        (many small ops a Gated DeltaNet layer), and the trace is replayed faster than it is built.
+        A ``tree``'s verify (``verify_tree``) takes its nodes' depths and ancestors as inputs too."""
         mixers = self._block_mixers
-        key = (self.options.pack_projections, self.options.rowwise_products)
+        key = (self.options.pack_projections, self.options.rowwise_products, tree is not None)
         if key not in self.recorder.block_forwards:
-            projections = block_projections(self.model, *key)  # (packed, row by row: projections.py)
+            projections = block_projections(self.model, *key[:2])  # (packed, row by row: projections.py)
 
-            def forward(tokens: mx.array, offset: mx.array, *arrays: mx.array):
-                views = [recurrent_view(*arrays[j : j + 2]) if i in mixers else BufferView(*arrays[j : j + 2], offset)
+            def forward(tokens: mx.array, offset: mx.array, depths: mx.array, ancestors: mx.array, *arrays: mx.array):
+                views = [recurrent_view(*arrays[j : j + 2]) if i in mixers
+                         else BufferView(*arrays[j : j + 2], offset, ancestors if tree is not None else None)
                          for i, j in enumerate(range(0, len(arrays), 2))]
+                within = self._tree_ropes(depths) if tree is not None else nullcontext()
                 with projections.installed():
-                    logits, features = self._forward(tokens, views, block=True)
+                    logits, features = self._forward(tokens, views, block=True, within=within)
                 return (logits, features, *(x for view in views for x in cache_arrays(view)),
                         *(x for mixer in mixers.values() for x in mixer.block_arrays()))
             self.recorder.block_forwards[key] = mx.compile(forward)
@@ -280,8 +286,9 @@ class Target:
         for layer_cache in attention:
             layer_cache.make_room(n)
         start = attention[0].offset if attention else 0  # (every layer is at the same position)
+        shape = (mx.array(tree.depths), mx.array(tree.ancestors())) if tree is not None else (mx.array(0), mx.array(0))
         logits, features, *arrays = self.recorder.block_forwards[key](
-            tokens, device_count(start), *(x for layer_cache in cache for x in cache_arrays(layer_cache)))
+            tokens, device_count(start), *shape, *(x for layer_cache in cache for x in cache_arrays(layer_cache)))
         layer_arrays, kept = arrays[: 2 * len(cache)], iter(arrays[2 * len(cache) :])
         per_mixer = (len(arrays) - 2 * len(cache)) // max(len(mixers), 1)
         end = start + n  # an int stays an int: the host keeps knowing the exact length
@@ -298,13 +305,16 @@ class Target:
         the model's own code: its RoPE modules at the nodes' positions, its caches with the
         tree's mask. Caches hold the nodes after it, for ``keep_path``."""
         self._latest_length = tree.size
-        depths = mx.array(tree.depths)
-        ropes = [(parent, "rope", parent.rope, TreeRope(parent.rope, depths)) for parent in self._rope_parents()]
         tokens = mx.array(tree.tokens, dtype=mx.uint32)[None]
-        return self._forward(tokens, [TreeMaskedCache(c, tree) for c in cache], block=True, within=swapped(ropes))
+        if self._compiles(tokens, cache, tree=True):
+            return self._compiled_block(tokens, cache, tree)
+        within = self._tree_ropes(mx.array(tree.depths))
+        return self._forward(tokens, [TreeMaskedCache(c, tree) for c in cache], block=True, within=within)
 
-    def _rope_parents(self) -> list[nn.Module]:
-        return [module for layer in self._layer_list() for module in layer.modules() if "rope" in module.children()]
+    def _tree_ropes(self, depths: mx.array) -> AbstractContextManager:
+        """The model's RoPE modules at the block's start plus ``depths`` (``TreeRope``)."""
+        parents = [module for layer in self._layer_list() for module in layer.modules() if "rope" in module.children()]
+        return swapped([(parent, "rope", parent.rope, TreeRope(parent.rope, depths)) for parent in parents])
 
     def keep_path(self, cache: list[Any], path: list[int], tree_size: int) -> None:
         """After ``verify_tree``: keep the accepted nodes (``path``, from the root), moved to
