@@ -84,7 +84,7 @@ def test_a_warmup_teaches_the_policy_every_block_cost(pair):
     from mlx_dflash.policy import BlockPolicy
 
     _, model, tokenizer, draft, prompt, reference = pair
-    policy = BlockPolicy(8)
+    policy = BlockPolicy(8, tree_budgets=policy_module.TREE_BUDGETS)
     warmup_module.warm_up(model, draft, 8, GPU_PATHS, policy=policy)
     trees = policy_module.TREE_BUDGETS if make_proposer(model, draft)[0].verifies_trees else ()
     assert set(policy.seconds) == set(candidate_sizes(8, trees))

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .errors import DFlashError
-from .policy import TREE_BUDGETS, BlockPolicy
+from .policy import BlockPolicy
 from .sampling import SamplingParams
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
@@ -286,7 +286,7 @@ class BenchConfig:
     block_size: Optional[int] = None
     num_draft_tokens: int = 3
     sampling: Optional[SamplingParams] = None  # None: greedy
-    tree_budgets: Sequence[int] = TREE_BUDGETS  # the adaptive policy's trees (methods dflash_tree<B>: fixed ones)
+    tree_budgets: Sequence[int] = ()  # the adaptive policy's trees (methods dflash_tree<B>: fixed ones)
     # mlx-lm's greedy on every prompt before any DFlash generation, instead of alternating: on
     # GPUs mlx-lm runs slower in a process that has run DFlash (docs/performance.md), which
     # alternating counts against the baseline

@@ -43,16 +43,18 @@ def _add_block_flags(p) -> None:
 
 def _add_tree_flags(p) -> None:
     trees = p.add_mutually_exclusive_group()
+    trees.add_argument("--trees", action="store_true",
+                       help="let the adaptive policy measure trees of drafts (DDTree, "
+                       f"{' and '.join(map(str, TREE_BUDGETS))} nodes) against chains (docs/trees.md)")
     trees.add_argument("--tree-budget", type=int, default=None, metavar="B",
-                       help="verify trees of B drafted nodes (DDTree): the adaptive policy's one tree, and with "
-                       "--no-adaptive every full block (default: the policy measures trees of "
-                       f"{' and '.join(map(str, TREE_BUDGETS))} nodes against chains)")
-    trees.add_argument("--no-tree", action="store_true", help="verify chains only")
+                       help="verify trees of B drafted nodes: the adaptive policy's one tree, and with "
+                       "--no-adaptive every full block")
+    trees.add_argument("--no-tree", action="store_true", help="verify chains only (the default)")
 
 
 def _trees(args) -> Union[bool, int]:
-    """What --tree-budget / --no-tree ask for (``stream_generate``'s ``trees``)."""
-    return False if args.no_tree else args.tree_budget if args.tree_budget is not None else True
+    """What --trees / --tree-budget / --no-tree ask for (``stream_generate``'s ``trees``)."""
+    return args.tree_budget if args.tree_budget is not None else args.trees
 
 
 def _check_block_size(block_size) -> None:
@@ -384,11 +386,9 @@ def _add_bench(sub) -> None:
                    help="time mlx-lm on every prompt before any DFlash generation (not alternating)")
     p.add_argument("--no-eos", action="store_true", help="ignore EOS: always generate the full length")
     p.add_argument("--block-size", type=int, default=None)
-    trees = p.add_mutually_exclusive_group()
-    trees.add_argument("--tree-budgets", type=int, nargs="+", default=None, metavar="B",
-                       help="add methods dflash_tree<B> (every full block a tree of B nodes) and give the adaptive "
-                       f"policy these trees (default: {' and '.join(map(str, TREE_BUDGETS))})")
-    trees.add_argument("--no-tree", action="store_true", help="the adaptive policy verifies chains only")
+    p.add_argument("--tree-budgets", type=int, nargs="+", default=None, metavar="B",
+                   help="add methods dflash_tree<B> (every full block a tree of B nodes) and give the adaptive "
+                   "policy these trees (default: chains only)")
     p.add_argument("--out", default="bench_out", help="folder for results.json, results.md and PNG plots")
     p.add_argument("--scale", default=None, help="scale mode: a random-weight target of this shape "
                    "(qwen3-4b/8b/14b, qwen3.5-4b/9b/27b) with a replay draft")
@@ -426,7 +426,7 @@ def _run_bench(args) -> None:
     cfg = BenchConfig(lengths=args.lengths, repeats=args.repeats, warmup=not args.no_warmup,
                       no_eos=args.no_eos or bool(args.scale), block_size=args.block_size,
                       num_draft_tokens=args.num_draft_tokens, baselines_first=args.baselines_first,
-                      tree_budgets=() if args.no_tree else args.tree_budgets or TREE_BUDGETS)
+                      tree_budgets=args.tree_budgets or ())
     group = _quiet_other_ranks()
     out = Path(args.out) if group is None or group.rank() == 0 else None  # (one writer)
     if args.scale:

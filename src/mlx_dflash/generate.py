@@ -126,7 +126,7 @@ def stream_generate(
     continuation: bool = False,
     prompt_progress: Optional[ProgressCallback] = None,
     warmup: bool = False,
-    trees: Union[bool, int] = True,
+    trees: Union[bool, int] = False,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
@@ -146,8 +146,9 @@ def stream_generate(
     ``warmup``: first run every path of a generation once (``warmup.py``), so that on a GPU
     the first generation of a process does not compile kernels while it is timed.
     ``trees``: verify trees of drafts (``tree.py``) where the adaptive policy measures them
-    faster (True), never (False), or with a budget B: the policy's one tree, and with fixed
-    blocks every full block a tree of B nodes. Targets with recurrent layers verify chains.
+    faster (True: budgets ``policy.TREE_BUDGETS``), never (False, the default), or with a budget
+    B: the policy's one tree, and with fixed blocks every full block a tree of B nodes. Targets
+    with recurrent layers verify chains.
     """
     target, proposer = make_proposer(model, draft, options)
     block_size = proposer.block_size if block_size is None else block_size

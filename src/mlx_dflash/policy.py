@@ -52,9 +52,10 @@ RETIME_STEPS = 3  # such a probe's plain steps: the switch (not timed) and two t
 # otherwise kept blocks for as long as its good start outweighed the poor cycles since
 # (the value chosen with tools/policy_simulation.py --slot-decay: docs/performance.md).
 SLOT_DECAY = 0.98
-# The trees the policy may verify instead of a full block (their budgets: drafted nodes). A tree
-# costs more to verify than the block's chain and commits at least about what the chain does;
-# probed like a larger block, one budget up at a time.
+# The trees a policy asked for trees (``trees=True``) may verify instead of a full block (budgets:
+# drafted nodes). A tree costs more to verify than the block's chain and commits at least about
+# what the chain does; probed like a larger block, one budget up at a time. Off by default: on the
+# pairs measured so far trees lose (docs/trees.md), and probing them costs a chain's speed.
 TREE_BUDGETS = (32, 64)
 MAX_TREE_BUDGET = 1024
 
@@ -88,7 +89,7 @@ def check_tree_budget(budget: int, max_block: int) -> None:
 
 
 class BlockPolicy:
-    def __init__(self, max_block: int, slot_decay: float = SLOT_DECAY, tree_budgets: Sequence[int] = TREE_BUDGETS):
+    def __init__(self, max_block: int, slot_decay: float = SLOT_DECAY, tree_budgets: Sequence[int] = ()):
         self.slot_decay = slot_decay  # how fast acceptance statistics fade (1.0: never)
         self.max_block = max_block
         for budget in tree_budgets:

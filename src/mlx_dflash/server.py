@@ -54,7 +54,7 @@ class Served:
     max_tokens_limit: int
     adaptive: bool = True  # plain decoding while drafts lose (same output either way)
     block_size: Optional[int] = None  # the largest block (default: the draft's)
-    trees: Union[bool, int] = True  # tree verification (``stream_generate``'s ``trees``)
+    trees: Union[bool, int] = False  # tree verification (``stream_generate``'s ``trees``)
 
     def __post_init__(self) -> None:
         # one block policy for all requests: the costs it measured carry over (policy.py)
