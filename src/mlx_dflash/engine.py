@@ -5,7 +5,8 @@ Read ``decode_cycles`` top to bottom: it is the whole algorithm. The pieces it c
 ``BlockRunner.keep`` rolls the caches back to the accepted prefix, ``sampling.py`` decides
 what is accepted when sampling, and ``policy.py`` picks each block's size from measured speed.
 
-One device-to-host read per cycle: the target's choices (which also give the accept count).
+One device-to-host read per cycle: the target's choices (which also give the accept count); a
+tree (``tree.py``) adds one, of the draft's top candidates, to build it on the host.
 Where every cache of the target can be cut by a count still on the device (KV and Gated
 DeltaNet caches), greedy decoding rolls back, extends the draft's context and picks the next
 block's first token on the device, and queues the next cycle before it reads this one's count
@@ -175,13 +176,13 @@ class BlockRunner:
         """Roll back to ``a`` accepted drafts (read, or still on the device): drop the rejected
         drafts from the caches (the bonus is not cached yet), add the kept tokens' context;
         return the next block's first token, the bonus ([1])."""
-        if block.accepted is None and block.tree is None:  # a plain greedy step keeps its token
-            self.proposer.add_context(block.features)
-            return block.tokens
         if block.tree is not None:  # the walked path's nodes, moved together
             self.target.keep_path(self.cache, block.path, block.size)
             self.proposer.add_context(block.features[:, mx.array(block.path)])
             return block.tokens[block.path[-1] : block.path[-1] + 1]
+        if block.accepted is None:  # a plain greedy step keeps its token
+            self.proposer.add_context(block.features)
+            return block.tokens
         self.target.rollback(self.cache, block.size - 1 - a)
         self.proposer.add_context(block.features, a + 1)
         return block.tokens[a : a + 1] if isinstance(a, int) else block.tokens[a.reshape(1)]

@@ -28,6 +28,8 @@ One policy can serve many generations (the server's and the benchmark's do): cos
 size belong to the machine and the model pair, so they carry over; so does how rarely probes
 pay (their back-off), after a text where plain decoding won; the acceptance statistics belong
 to one text, start afresh with it and fade as it goes (SLOT_DECAY).
+Asked to (``trees``), the policy also weighs trees of drafts (``tree.py``) as sizes past the block:
+a tree of B nodes verifies 1 + B tokens, and its expected tokens are what its cycles committed.
 A new text starts with full blocks (two for a size not timed yet: a size's first cycle is not
 timed), or, when plain decoding won the previous text, with a forecast: a useless draft then
 costs one draft pass per text instead of a verified block.
