@@ -535,7 +535,7 @@ def _serve_warm_up(args, served) -> None:
 
         print(WARMING_UP, file=sys.stderr, flush=True)
         seconds = warm_up(served.model, served.draft, args.block_size, policy=served.policy,
-                          tree_budgets=[fixed_tree_budget(served.trees)] if fixed_tree_budget(served.trees) else [])
+                          tree_budget=fixed_tree_budget(served.trees))
         print(f"warmed up in {seconds:.1f}s", file=sys.stderr)
 
 

@@ -181,7 +181,7 @@ def stream_generate(
     if fixed_tree is not None:
         check_tree_budget(fixed_tree, block_size)
     if warmup:  # (before the policy's first text: it learns the block costs)
-        warm_up(model, proposer, block_size, options, policy=policy, tree_budgets=[fixed_tree] if fixed_tree else [])
+        warm_up(model, proposer, block_size, options, policy=policy, tree_budget=fixed_tree)
     if policy is not None:
         policy.start_text()
     tic = time.perf_counter()

@@ -89,9 +89,10 @@ def run_path(target: Target, proposer: Proposer, prompt_length: int, block_size:
 
 def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: Optional[int] = None,
             options: EngineOptions = DEFAULT_OPTIONS, sampling: bool = True,
-            policy: Optional[BlockPolicy] = None, tree_budgets: Sequence[int] = ()) -> float:
+            policy: Optional[BlockPolicy] = None, tree_budget: Optional[int] = None) -> float:
     """Run each path of a generation with ``draft`` once (``sampling``: temperature sampling
-    too; trees of ``tree_budgets``, or the ``policy``'s); returns the seconds it took. A ``policy`` then learns what each block size costs,
+    too; the ``policy``'s trees, or fixed blocks' trees of ``tree_budget``); returns the seconds it
+    took. A ``policy`` then learns what each block size costs,
     from a second pass over them (its kernels built by the first): its first text need not
     spend full blocks on learning them, which a useless draft pays for."""
     from .generate import make_proposer
@@ -99,7 +100,10 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
     tic = time.perf_counter()
     target, proposer = make_proposer(model, draft, options)
     block_size = block_size or proposer.block_size
-    trees = [size - 1 for size in policy.sizes if size > block_size] if policy is not None else tree_budgets
+    if policy is not None:
+        trees = [size - 1 for size in policy.sizes if size > block_size]
+    else:
+        trees = [tree_budget] if tree_budget else []
     room = (context_length(model) or 1 << 30) - 1
     short = min(SHORT_PROMPT, room // 2)
     run_path(target, proposer, short, block_size, script=adaptive_script(block_size, trees))
