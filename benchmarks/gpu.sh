@@ -7,6 +7,8 @@
 #                 mlx-lm, DFlash, DFlash after its warm-up, and DFlash again with the kernels on disk
 #   floor         a useless draft (replay of mean acceptance 1) at the Qwen3-4B and 8B shapes,
 #                 128/256/1,024 tokens: what the adaptive policy keeps of mlx-lm's speed
+#   prefix        time to first token of a chat turn after a 4,000-token history, cold and with the
+#                 prefix cache (Qwen3-8B shape, random weights)
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (16), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
@@ -40,9 +42,11 @@ for part in "${PARTS[@]}"; do
       MLX_PTX_CACHE_DIR=$kernels python3 tools/cold_start.py --method dflash --warmup --generations 2 | tee -a "$RESULTS/cold.jsonl" ;;
     floor)
       for shape in qwen3-4b qwen3-8b; do
-        mlx-dflash bench --scale $shape --replay-mean 1 --num-prompts 3 --lengths 128 256 1024 \
+        mlx-dflash bench --scale $shape --replay-mean 1 --num-prompts 5 --lengths 128 256 1024 \
           --out "$RESULTS/floor-$shape" | tee "$RESULTS/floor-$shape.md"
       done ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor)" >&2; exit 2 ;;
+    prefix)
+      python3 benchmarks/prefix_cache.py --scale qwen3-8b --history 4000 | tee "$RESULTS/prefix.txt" ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix)" >&2; exit 2 ;;
   esac
 done

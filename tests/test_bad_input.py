@@ -110,6 +110,12 @@ def test_serve_on_a_busy_port_fails_before_loading(capsys):
     assert "the port is in use" in one_error_line(capsys, code)
 
 
+@pytest.mark.parametrize("size", ["lots", "-1G"])
+def test_serve_refuses_a_bad_prefix_cache_size_before_loading(capsys, size):
+    code = main(["serve", "--model", "/no/such/model", "--draft", "/no/such/draft", f"--prefix-cache-bytes={size}"])
+    assert "byte count" in one_error_line(capsys, code)
+
+
 def test_a_closed_pipe_is_not_an_error():
     run = subprocess.run(f"{sys.executable} -m mlx_dflash.cli models list | head -1", shell=True,
                          capture_output=True, text=True)

@@ -82,7 +82,7 @@ def test_prefill_gives_mlx_lms_first_logits_bit_for_bit(tiny_dir, length):
     ours = target.make_cache()
     proposer.start(target)
     # (chunks of 32: several, as 2048 would be for long prompts)
-    assert mx.array_equal(prefill(target, proposer, prompt, ours, step=32), expected).item()
+    assert mx.array_equal(prefill(target, proposer, prompt, ours, step=32)[0], expected).item()
     # the draft's context of the prompt (all but its last token, which a plain step's context
     # joins) is stored by the prefill, not left to the first draft pass, which is timed as decoding
     assert [c.bound for c in proposer.cache] == [length - 1]

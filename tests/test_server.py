@@ -70,6 +70,33 @@ def test_chat_multi_turn_equals_generate(server):
     assert reply.usage.model_extra["dflash"]["mean_acceptance_length"] >= 1
 
 
+def test_chat_turns_reuse_the_prefix_cache(server):
+    """Each turn resends the history: it prefills only what follows the previous turn's prompt,
+    reported in usage and /health, and the replies equal cold generations."""
+    base, model, tokenizer, draft = server
+    before = httpx.get(base + "/health").json()["prefix_cache"]
+    history, history_tokens = [{"role": "system", "content": "You are an agent. " * 20}], []
+    for turn in range(3):
+        history.append({"role": "user", "content": f"step {turn}: list the files"})
+        reply = client(base).chat.completions.create(model=NAME, messages=history, max_tokens=12,
+                                                     stream=turn == 1, **({"stream_options": {"include_usage": True}}
+                                                                         if turn == 1 else {}))
+        if turn == 1:
+            chunks = list(reply)
+            text, usage = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+        else:
+            text, usage = reply.choices[0].message.content, reply.usage
+        assert text == expected_chat(model, tokenizer, draft, history, 12).text
+        cached = usage.prompt_tokens_details.cached_tokens
+        # (the first turn shares its template's opening with the other tests' prompts at most)
+        assert cached >= len(history_tokens) - 1 if turn > 0 else cached < 40
+        history_tokens = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+        history.append({"role": "assistant", "content": text})
+    after = httpx.get(base + "/health").json()["prefix_cache"]
+    assert after["hits"] - before["hits"] >= 2 and after["hits"] + after["misses"] - before["hits"] - before["misses"] == 3
+    assert 0 < after["bytes"] <= after["max_bytes"]
+
+
 def test_chat_streaming_equals_generate(server):
     base, model, tokenizer, draft = server
     chunks = list(client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24, stream=True))

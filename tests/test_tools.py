@@ -1,4 +1,5 @@
-"""The maintained profiling tools in tools/ run (a smoke test each, on a tiny pair) and explain themselves."""
+"""The maintained profiling tools in tools/ and the benchmark scripts in benchmarks/ run (a smoke
+test each, on a tiny pair) and explain themselves."""
 
 import json
 import os
@@ -12,8 +13,11 @@ from tiny_models import tiny_pair_files
 TOOLS = Path(__file__).parent.parent / "tools"
 
 
-def run_tool(name: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(TOOLS / name), *args], capture_output=True, text=True, timeout=300)
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def run_tool(name: str, *args: str, folder: Path = TOOLS) -> str:
+    done = subprocess.run([sys.executable, str(folder / name), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -67,3 +71,11 @@ def test_shard_costs():
                            "--iters", "2"], capture_output=True, text=True, timeout=120)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [(line["processes"], line["rows"]) for line in lines] == [(2, 1), (2, 16)], done.stdout + done.stderr
+
+
+def test_prefix_cache_benchmark(pair):
+    model, draft = pair
+    out = json.loads(run_tool("prefix_cache.py", "--model", model, "--draft", draft, "--history", "300", "--reply", "20",
+                              "--message", "10", "--tokens", "4", "--repeats", "1", "--json", folder=BENCHMARKS))
+    assert out["same_tokens"] is True and out["turn_prompt"] == 330
+    assert 0 < out["cached_ttft_s"] and 0 < out["cold_ttft_s"]

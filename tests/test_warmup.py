@@ -93,3 +93,35 @@ def test_a_warmup_teaches_the_policy_every_block_cost(pair):
     result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, adaptive=policy, options=GPU_PATHS)
     assert result.tokens == reference
     assert policy.history and len(policy.history) == len(result.acceptance_lengths)
+
+
+@pytest.mark.parametrize("pending", [1, 5, 16, 17, 300])
+def test_padded_deferred_contexts_draft_as_unpadded_ones(pair, pending):
+    """With padded reads, a run of plain steps' contexts is stored in a padded row count
+    (``proposer.single_rows``): the draft then proposes exactly what it proposes unpadded."""
+    import mlx.core as mx
+
+    _, model, _, draft, prompt, _ = pair
+    drafts = []
+    for options in (GPU_PATHS, EngineOptions(pad_reads=False)):
+        target, proposer = make_proposer(model, draft, options)
+        proposer.start(target)
+        ids = mx.array(prompt * (1 + pending // len(prompt)))[: len(prompt) + pending]
+        _, features = target(ids[None], target.make_cache(), prompt=True)
+        proposer.add_context(features[:, : len(prompt)])
+        for i in range(len(prompt), ids.size):
+            proposer.add_context(features[:, i : i + 1])  # (a plain step's: deferred)
+        drafts.append(proposer.propose(ids[-1:], 7).tolist())
+        assert [c.length for c in proposer.cache] == [ids.size] * len(proposer.cache)
+    assert drafts[0] == drafts[1]
+
+
+def test_the_warmup_stores_each_padded_row_count(pair, monkeypatch):
+    _, model, _, draft, _, _ = pair
+    target, proposer = make_proposer(model, draft, GPU_PATHS)
+    stored = []
+    original = draft.store_context
+    monkeypatch.setattr(draft, "store_context", lambda context, *rest: (stored.append(context.shape[1]),
+                                                                         original(context, *rest)))
+    warmup_module.run_deferred_contexts(target, proposer, 8)
+    assert stored[1:] == [16, 32, 64, 128, 256]  # (after the prompt's)

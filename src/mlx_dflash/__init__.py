@@ -19,12 +19,13 @@ from .generate import GenerationResult, StreamResponse, generate, stream_generat
 from .options import EngineOptions
 from .errors import DFlashError
 from .pair import load
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .target import Target, load_target
 
 __version__ = "0.1.0"
 __all__ = [
-    "DFlashDraft", "DFlashError", "EngineOptions", "GenerationResult", "SamplingParams", "StreamResponse", "Target",
+    "DFlashDraft", "DFlashError", "EngineOptions", "GenerationResult", "PrefixCache", "SamplingParams", "StreamResponse", "Target",
     "create_random_draft", "generate", "load", "load_draft", "load_target", "save_draft", "stream_generate",
     "use_fast_blas",
 ]

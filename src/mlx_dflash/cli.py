@@ -12,6 +12,7 @@ from typing import Union
 
 from .errors import DFlashError
 from .policy import TREE_BUDGETS, fixed_tree_budget
+from .prefix_cache import DEFAULT_SIZE, parse_bytes
 
 WARMING_UP = "warming up (the first run on a GPU compiles its kernels) ..."
 
@@ -490,6 +491,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens a request may ask for")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run every decoding path once before serving (on a GPU: builds its kernels)")
+    p.add_argument("--prefix-cache-bytes", default=DEFAULT_SIZE, metavar="BYTES",
+                   help="memory for prompt states that later requests starting with the same tokens reuse "
+                        "(K, M, G suffixes; 0: off; default %(default)s)")
     _add_block_flags(p)
     p.set_defaults(func=_run_serve)
 
@@ -505,6 +509,7 @@ def _run_serve(args) -> None:
     if (args.context_limit is not None and args.context_limit < 2) or args.max_tokens_limit < 1:
         raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")
     _check_block_size(args.block_size)
+    prefix_cache_bytes = parse_bytes(args.prefix_cache_bytes)
     from .distributed import send_job, world
 
     group = world()
@@ -518,7 +523,8 @@ def _run_serve(args) -> None:
         model_context = context_length(model) or 4096
         context = min(args.context_limit or model_context, model_context)
         served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context),
-                        adaptive=args.adaptive, block_size=args.block_size, trees=_trees(args))
+                        adaptive=args.adaptive, block_size=args.block_size, trees=_trees(args),
+                        prefix_cache_bytes=prefix_cache_bytes)
         _serve_warm_up(args, served)
         config = uvicorn.Config(create_app(served), log_level="info")
         print(f"serving {model_name} on http://{args.host}:{args.port}" + _sharding_note(model), file=sys.stderr)
@@ -546,7 +552,7 @@ def _follow(args) -> None:
 
     model, tokenizer, draft, model_name = _load_pair(args)
     served = Served(model, tokenizer, draft, model_name, 0, 0, adaptive=args.adaptive, block_size=args.block_size,
-                    trees=_trees(args))
+                    trees=_trees(args), prefix_cache_bytes=parse_bytes(args.prefix_cache_bytes))
     _serve_warm_up(args, served)
     follow(served)
 

@@ -112,6 +112,21 @@ class DraftContextCache:
     def state(self) -> tuple:
         return self.keys, self.values
 
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def is_trimmable(self) -> bool:
+        """Whether ``trim`` can cut it back: not once a window dropped positions (a cold run
+        of the shorter context would still see them)."""
+        return self.dropped == 0 and isinstance(self.length, int)
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` positions (a prefix cache cutting a stored context back)."""
+        n = min(self.length, n)
+        self.settle(self.position - n)
+        return n
+
 
 class ContextView:
     """A ``DraftContextCache`` inside a compiled draft pass: its whole buffer read, masked past

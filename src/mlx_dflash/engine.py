@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from .distributed import from_rank_zero, shared_seed
 from .policy import BlockPolicy, CycleClock
+from .prefix_cache import PrefixCache
 from .proposer import Proposer
 from .sampling import SamplingParams, first_token, node_choices, sample_drafts, verify
 from .target import Target
@@ -40,6 +41,7 @@ class Cycle:
     acceptance_length: Optional[int]  # a + 1 for a verify cycle; None for the prefill token
     block_size: int = 0  # tokens verified (1: a plain step); 0 for the prefill token
     launch_seconds: float = 0.0  # host time spent building and queueing the cycle's graphs
+    reused_prompt_tokens: int = 0  # the prefill's: prompt tokens restored from a prefix cache
 
 
 @dataclass
@@ -60,21 +62,28 @@ class Block:
 
 
 def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[Any], step: int,
-            progress: Optional[ProgressCallback] = None) -> mx.array:
+            progress: Optional[ProgressCallback] = None, prefix_cache: Optional[PrefixCache] = None
+            ) -> tuple[mx.array, int]:
     """Run the prompt through the target as mlx-lm's ``generate_step`` does: all but its last
     token in chunks of ``step``, then the last token alone; return that token's logits. (The
     same calls give the same kernels: a token's logits from a one-row pass and from the last
-    row of a chunk differ in their last bits, enough to flip a bf16 near-tie on a GPU.)"""
-    for start in range(0, prompt.size - 1, step):
+    row of a chunk differ in their last bits, enough to flip a bf16 near-tie on a GPU.)
+    A ``prefix_cache`` first restores the longest stored start of the prompt, and keeps the
+    state before the last token for later prompts; also returns how many tokens it restored."""
+    head = prompt[:-1].tolist() if prefix_cache is not None else []
+    reused = prefix_cache.resume(target, proposer, cache, head) if prefix_cache is not None else 0
+    for start in range(reused, prompt.size - 1, step):
         end = min(start + step, prompt.size - 1)
         _, features = target(prompt[None, start:end], cache, prompt=True)
         proposer.add_context(features)
         mx.eval([c.state for c in cache], proposer.state)  # (the draft's context is prompt work)
         if progress is not None:
             progress(end, prompt.size)
+    if prefix_cache is not None and reused < len(head):
+        prefix_cache.store(target, proposer, cache, head)
     logits, features = target(prompt[None, -1:], cache)
     proposer.add_context(features)
-    return logits[0, -1]
+    return logits[0, -1], reused
 
 
 class BlockRunner:
@@ -216,12 +225,14 @@ def decode_cycles(
     policy: Optional[BlockPolicy] = None,
     prompt_progress: Optional[ProgressCallback] = None,
     tree_budget: Optional[int] = None,
+    prefix_cache: Optional[PrefixCache] = None,
 ) -> Iterator[Cycle]:
     """DFlash decoding; yields committed tokens cycle by cycle, at most ``max_tokens``.
 
     ``sampling=None`` is plain greedy; otherwise see ``sampling.py`` (lossless sampling).
     ``policy`` picks each cycle's block size (up to ``block_size``) from measured speed.
     ``tree_budget``: verify trees of that many drafted nodes instead of chains (``tree.py``).
+    ``prefix_cache``: prefill only what follows the longest stored start of the prompt.
     """
     cache = target.make_cache()
     proposer.start(target)
@@ -229,10 +240,11 @@ def decode_cycles(
         mx.random.seed(sampling.seed)
     elif sampling is not None and target.group is not None:  # a sharded target: every process draws alike
         mx.random.seed(shared_seed(target.group))
-    logits = prefill(target, proposer, prompt, cache, target.options.prefill_step, prompt_progress)
+    logits, reused = prefill(target, proposer, prompt, cache, target.options.prefill_step, prompt_progress,
+                             prefix_cache)
     first = first_token(sampling, logits[None], prompt)  # [1]
     latest, emitted = first.item(), 1
-    yield Cycle([latest], None)
+    yield Cycle([latest], None, reused_prompt_tokens=reused)
 
     runner = BlockRunner(target, proposer, cache, block_size, sampling, policy, prompt.tolist(), tree_budget)
     block = runner.launch(first, *runner.next_size(max_tokens - emitted)) if emitted < max_tokens else None

@@ -16,6 +16,7 @@ from .engine import ProgressCallback, decode_cycles
 from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
 from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
+from .prefix_cache import PrefixCache
 from .proposer import DFlashProposer, Proposer
 from .sampling import SamplingParams
 from .target import Target, check_compatible, context_length
@@ -37,6 +38,7 @@ class StreamResponse:
     generation_tokens: int
     decode_tokens_per_sec: float
     finish_reason: Optional[str] = None
+    reused_prompt_tokens: int = 0  # prompt tokens restored from a prefix cache, not prefilled
 
 
 @dataclass
@@ -50,6 +52,7 @@ class GenerationResult:
     cycles: int
     acceptance_lengths: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    reused_prompt_tokens: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -127,6 +130,7 @@ def stream_generate(
     prompt_progress: Optional[ProgressCallback] = None,
     warmup: bool = False,
     trees: Union[bool, int] = False,
+    prefix_cache: Optional[PrefixCache] = None,
 ) -> Iterator[StreamResponse]:
     """Stream DFlash output; each response carries one cycle's text and statistics.
 
@@ -149,6 +153,8 @@ def stream_generate(
     faster (True: budgets ``policy.TREE_BUDGETS``), never (False, the default), or with a budget
     B: the policy's one tree, and with fixed blocks every full block a tree of B nodes. Targets
     with recurrent layers verify chains.
+    ``prefix_cache``: restore the longest stored start of the prompt instead of prefilling it,
+    and store this prompt's state for later ones (``prefix_cache.py``; same tokens as without).
     """
     target, proposer = make_proposer(model, draft, options)
     block_size = proposer.block_size if block_size is None else block_size
@@ -168,7 +174,7 @@ def stream_generate(
     start_chars = sent_chars = len(detokenizer.text)  # (the primed prompt's text is not ours)
 
     tokens: list[int] = []
-    prefill_s = 0.0
+    prefill_s, reused = 0.0, 0
     if sampling is not None and sampling.greedy and not sampling.logits_processors:
         sampling = None  # plain greedy: the bit-exact path
     seeded = sampling is not None and sampling.seed is not None
@@ -186,10 +192,10 @@ def stream_generate(
         policy.start_text()
     tic = time.perf_counter()
     cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, prompt_progress,
-                           tree_budget=fixed_tree)
+                           tree_budget=fixed_tree, prefix_cache=prefix_cache)
     for n_cycle, cycle in enumerate(cycles):
         if n_cycle == 0:
-            prefill_s = time.perf_counter() - tic
+            prefill_s, reused = time.perf_counter() - tic, cycle.reused_prompt_tokens
             tic = time.perf_counter()
         finish, cut, new = None, None, []
         for token in cycle.tokens:
@@ -224,6 +230,7 @@ def stream_generate(
             generation_tokens=len(tokens),
             decode_tokens_per_sec=max(len(tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
             finish_reason=finish,
+            reused_prompt_tokens=reused,
         )
         if finish:
             if target.group is not None:
@@ -261,6 +268,7 @@ def generate(
         cycles=len(acceptance),
         acceptance_lengths=acceptance,
         finish_reason=last.finish_reason,
+        reused_prompt_tokens=last.reused_prompt_tokens,
     )
 
 

@@ -16,6 +16,14 @@ from .draft import DFlashDraft
 from .target import Target
 
 
+MAX_SINGLE_ROWS = 256  # deferred single-token contexts stored at most this many at a time
+
+
+def single_rows(n: int) -> int:
+    """The rows ``n`` deferred single-token contexts are stored in, padded: 16, 32, 64, ... 256."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
 class Proposer(Protocol):
     """Anything that drafts a block: the DFlash draft, or a replay for tests/benchmarks."""
 
@@ -39,6 +47,16 @@ class Proposer(Protocol):
 
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Draft ``num_tokens`` tokens following ``first_token`` (shape [1])."""
+
+    @property
+    def context_key(self) -> int:
+        """Which stored contexts it can continue from (a prefix cache's entries are kept apart by it)."""
+
+    def context_caches(self) -> list:
+        """Its stored context, every committed token's (for a prefix cache to copy)."""
+
+    def use_context(self, caches: list, positions: int) -> None:
+        """Continue from a stored context of ``positions`` tokens (``context_caches``' copy)."""
 
 
 class DFlashProposer:
@@ -80,10 +98,27 @@ class DFlashProposer:
     def state(self) -> list:
         return [layer_cache.state for layer_cache in self.cache]
 
+    @property
+    def context_key(self) -> int:
+        return id(self.draft)
+
+    def context_caches(self) -> list:
+        self._store_singles()
+        return self.cache
+
+    def use_context(self, caches: list, positions: int) -> None:
+        self.cache, self.single = caches, []
+
     def _store_singles(self) -> None:
-        if self.single:
-            self.draft.store_context(self.draft.project_context(mx.concatenate(self.single, axis=1)), self.cache)
-            self.single = []
+        """Store the deferred single-token contexts; with ``pad_reads`` in row counts of
+        ``single_rows`` (a few shapes, each of which costs a GPU time the first time it runs)."""
+        while self.single:
+            rows, self.single = self.single[:MAX_SINGLE_ROWS], self.single[MAX_SINGLE_ROWS:]
+            features, count = mx.concatenate(rows, axis=1), None
+            if self.options.pad_reads and single_rows(len(rows)) > len(rows):
+                padding = mx.zeros((1, single_rows(len(rows)) - len(rows), features.shape[2]), features.dtype)
+                features, count = mx.concatenate([features, padding], axis=1), len(rows)
+            self.draft.store_context(self.draft.project_context(features), self.cache, count)
 
     def _slot_hidden(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Final hidden states [1, num_tokens, H] of the block slots after ``first_token``."""

@@ -57,6 +57,18 @@ class ReplayProposer:
     def state(self) -> list:
         return self.cost_of.state if self.cost_of else []
 
+    @property
+    def context_key(self) -> int:
+        return id(self)
+
+    def context_caches(self) -> list:
+        return self.cost_of.context_caches() if self.cost_of else []
+
+    def use_context(self, caches: list, positions: int) -> None:
+        self.position = positions
+        if self.cost_of:
+            self.cost_of.use_context(caches, positions)
+
     def correct_prefix(self, cycle: int) -> Optional[int]:
         if callable(self.schedule):
             return self.schedule(cycle)

@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 from fastapi import FastAPI, Request
@@ -27,6 +27,7 @@ from .distributed import receive_job, send_job, sharding_group
 from .generate import encode_prompt, stream_generate
 from .errors import DFlashError
 from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
+from .prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
 from .sampling import MAX_SEED, SamplingParams
 
 ROLES = {"system", "user", "assistant"}
@@ -55,6 +56,7 @@ class Served:
     adaptive: bool = True  # plain decoding while drafts lose (same output either way)
     block_size: Optional[int] = None  # the largest block (default: the draft's)
     trees: Union[bool, int] = False  # tree verification (``stream_generate``'s ``trees``)
+    prefix_cache_bytes: int = field(default_factory=lambda: parse_bytes(DEFAULT_SIZE))  # 0: no prefix cache
 
     def __post_init__(self) -> None:
         # one block policy for all requests: the costs it measured carry over (policy.py)
@@ -63,6 +65,8 @@ class Served:
         if fixed_tree_budget(self.trees) is not None:
             check_tree_budget(fixed_tree_budget(self.trees), block_size)
         self.group = sharding_group(self.model)  # a sharded target's processes: the others follow (``follow``)
+        # prompt states that later requests starting with the same tokens reuse (prefix_cache.py)
+        self.prefix_cache = PrefixCache(self.prefix_cache_bytes)
 
 
 @dataclass
@@ -194,7 +198,7 @@ def generations(served: Served) -> Callable[[Job], Iterator]:
         return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
                                max_tokens=job.max_tokens, block_size=block_size, stop=job.stop,
                                sampling=job.sampling, adaptive=adaptive, continuation=not job.chat,
-                               trees=served.trees)
+                               trees=served.trees, prefix_cache=served.prefix_cache)
     return stream
 
 
@@ -207,11 +211,13 @@ def follow(served: Served) -> None:
             pass
 
 
-def _usage(job: Job, completion_tokens: int, acceptance: list[int], tps: float) -> dict:
+def _usage(job: Job, completion_tokens: int, acceptance: list[int], last) -> dict:
+    tps = last.decode_tokens_per_sec if last is not None else 0.0
     return {
         "prompt_tokens": len(job.prompt),
         "completion_tokens": completion_tokens,
         "total_tokens": len(job.prompt) + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.reused_prompt_tokens if last is not None else 0},
         "dflash": {
             "cycles": len(acceptance),
             "mean_acceptance_length": sum(acceptance) / len(acceptance) if acceptance else 0.0,
@@ -271,7 +277,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **counts}
+        return {"status": "ok", **counts, "prefix_cache": served.prefix_cache.stats()}
 
     @app.get("/v1/models")
     async def models():
@@ -302,7 +308,7 @@ def create_app(served: Served) -> FastAPI:
                     return
                 if last is not None:
                     finish = "length" if last.finish_reason == "length" else "stop"
-                    usage = _usage(job, tokens, acceptance, last.decode_tokens_per_sec)
+                    usage = _usage(job, tokens, acceptance, last)
                     yield f"data: {json.dumps(_chunk(job, rid, created, served.name, '', finish, usage))}\n\n"
                     yield "data: [DONE]\n\n"
 
@@ -314,7 +320,7 @@ def create_app(served: Served) -> FastAPI:
             acceptance += [r.acceptance_length] if r.acceptance_length else []
         text = "".join(pieces)
         finish = "length" if last is not None and last.finish_reason == "length" else "stop"
-        usage = _usage(job, tokens, acceptance, last.decode_tokens_per_sec if last else 0.0)
+        usage = _usage(job, tokens, acceptance, last)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
             return {"id": rid, "object": "chat.completion", "created": created, "model": served.name,

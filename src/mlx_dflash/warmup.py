@@ -26,7 +26,7 @@ from .draft import DFlashDraft
 from .engine import decode_cycles
 from .options import DEFAULT_OPTIONS, EngineOptions
 from .policy import BlockPolicy, candidate_sizes
-from .proposer import Proposer
+from .proposer import MAX_SINGLE_ROWS, Proposer, single_rows
 from .sampling import SamplingParams
 from .target import Target, context_length
 
@@ -87,6 +87,20 @@ def run_path(target: Target, proposer: Proposer, prompt_length: int, block_size:
     return [cycle.block_size for cycle in itertools.islice(stream, cycles + 1)][1:]  # (after the prefill's token)
 
 
+def run_deferred_contexts(target: Target, proposer: Proposer, block_size: int) -> None:
+    """Runs of plain steps, then a draft: the single-token contexts they deferred are stored in
+    each padded row count (``proposer.single_rows``) and the draft pass reads a context that
+    grows past a few 256-position buffers, as forecasts after plain steps do."""
+    prompt = (mx.arange(SHORT_PROMPT) * 7919 + 11).astype(mx.uint32) % target.vocab_size
+    proposer.start(target)
+    _, features = target(prompt[None], target.make_cache(), prompt=True)
+    proposer.add_context(features)
+    for rows in sorted({single_rows(n) for n in range(1, MAX_SINGLE_ROWS + 1)}):
+        for _ in range(rows):
+            proposer.add_context(features[:, :1])
+        mx.eval(proposer.propose(prompt[:1], block_size - 1))
+
+
 def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: Optional[int] = None,
             options: EngineOptions = DEFAULT_OPTIONS, sampling: bool = True,
             policy: Optional[BlockPolicy] = None, tree_budget: Optional[int] = None) -> float:
@@ -109,6 +123,8 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
     run_path(target, proposer, short, block_size, script=adaptive_script(block_size, trees))
     run_path(target, proposer, short, block_size)  # fixed blocks
     run_path(target, proposer, short, 1)  # plain steps, no policy
+    if block_size > 1:
+        run_deferred_contexts(target, proposer, block_size)
     longest = long_prompt_length(target, proposer)
     if longest and longest + 2 * block_size < room:
         run_path(target, proposer, longest, block_size, script=[block_size, block_size, 0, 1, block_size])
