@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .cpu_kernels import attention, rope, swiglu
-from .draft_cache import ContextView, DraftContextCache, block_mask
+from .draft_cache import ContextView, DraftContextCache
 from .draft_config import DFlash2Config, DraftConfig, default_target_layer_ids
 from .errors import DFlashError
 from .projections import BlockProjections, block_projections
@@ -309,7 +309,7 @@ class DFlashDraft(nn.Module):
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             window = self.config.sliding_window if self.config.is_sliding(i) else None
             if window not in masks:
-                masks[window] = block_mask(layer_cache, h.shape[1], window, self.config.causal_windows)
+                masks[window] = layer_cache.block_mask(h.shape[1], window, self.config.causal_windows)
             h = layer(h, layer_cache, masks[window])
         return self.norm(h)
 

@@ -112,6 +112,9 @@ class DraftContextCache:
     def state(self) -> tuple:
         return self.keys, self.values
 
+    def block_mask(self, block_len: int, sliding_window: Optional[int], causal: bool = True) -> Optional[mx.array]:
+        return block_mask(self, block_len, sliding_window, causal)
+
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
@@ -146,6 +149,9 @@ class ContextView:
 
     def visible(self) -> mx.array:
         return context_visible(self.keys.shape[2], self.length, self.sink, self.window)
+
+    def block_mask(self, block_len: int, sliding_window: Optional[int], causal: bool = True) -> Optional[mx.array]:
+        return block_mask(self, block_len, sliding_window, causal)
 
 
 def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optional[int],

@@ -1,0 +1,251 @@
+"""Continuous batching: many sequences decoded together, one draft pass and ONE target
+forward per cycle for all of them.
+
+Rows join (their prompt prefilled alone, then merged in) and leave between cycles. A cycle:
+draft a block for every row, verify the blocks as one [rows, block] batch, accept per row,
+roll each row back to its own accepted prefix, commit. The target's caches are mlx-lm's
+``BatchKVCache``: rows left-padded to a common end; a row that accepted fewer tokens than
+another is cut back by rolling its rejected tail round to its left padding (mlx-lm's
+``prepare(right_padding=...)`` / ``finalize``), so every row stays a left-padded sequence.
+The draft's context per layer is kept the same way (``BatchContext``).
+
+Greedy decoding, fixed block size, targets whose caches are all plain key/value caches
+(``BATCHED_FAMILIES``); others are refused with one clear line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .draft import DFlashDraft
+from .engine import prefill
+from .errors import DFlashError
+from .options import EngineOptions
+from .target import Target, check_compatible
+
+BATCHED_FAMILIES = {"llama", "qwen2", "qwen3", "qwen3_moe"}  # plain key/value caches only
+SERIAL = EngineOptions(queue_ahead=False, compile_blocks=False, pad_reads=False)  # (mlx-lm's caches, eager)
+
+
+def cut_rows(cache: BatchKVCache, drop: list[int]) -> None:
+    """Drop the last ``drop[i]`` positions of row i: the common part trimmed, the rest rolled
+    round to the row's left padding (mlx-lm's right padding made left padding)."""
+    common = min(drop)
+    if common:
+        cache.trim(common)
+    if max(drop) > common:
+        cache.prepare(right_padding=[d - common for d in drop])
+        cache.finalize()
+
+
+class BatchContext:
+    """One draft layer's context for a batch: the projected keys and values of every committed
+    token of every row (a ``BatchKVCache``), read through the layer's sink/window if it has one."""
+
+    def __init__(self, cache: BatchKVCache, sink: int, window: Optional[int]):
+        self.cache, self.sink, self.window = cache, sink, window
+
+    @property
+    def position(self) -> mx.array:
+        """[rows]: each row's next position (its context's length)."""
+        return self.cache.offset
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        return self.cache.keys_and_values()
+
+    def block_mask(self, block_len: int) -> mx.array:
+        """[rows, 1, block, context + block]: a row's context from its own start (past its left
+        padding), through the sink and window if any; the block's own tokens all (non-causal)."""
+        size = self.cache.size()
+        stored = mx.arange(size)[None] - self.cache.left_padding[:, None]  # [rows, size]: the row's own index
+        visible = stored >= 0
+        if self.window is not None:
+            visible = visible & ((stored < self.sink) | (stored >= self.cache.offset[:, None] - self.window))
+        own = mx.ones((visible.shape[0], block_len), dtype=mx.bool_)
+        return mx.concatenate([visible, own], axis=1)[:, None, None, :]
+
+
+@dataclass
+class Row:
+    """One sequence in the batch."""
+
+    prompt_tokens: int
+    max_tokens: int
+    first: int  # the next block's first token (committed, not yet in the caches)
+    tokens: list[int] = field(default_factory=list)  # committed so far (the prefill's token first)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_tokens
+
+
+class BatchDecoder:
+    """Rows decoded together. ``add`` prefills a prompt and returns its row id (the prefill's
+    token is its first output); ``step`` runs one cycle for every row and returns the tokens
+    each committed; a row leaves when it reaches its ``max_tokens`` or on ``remove``."""
+
+    def __init__(self, model: nn.Module, draft: DFlashDraft, block_size: Optional[int] = None):
+        check_compatible(draft, model)
+        self.target = Target(model, draft.config.target_layer_ids, SERIAL)
+        if self.target.family not in BATCHED_FAMILIES:
+            raise DFlashError(f"batched decoding supports {', '.join(sorted(BATCHED_FAMILIES))}, "
+                              f"not {self.target.family}")
+        if draft.config.dflash2 is not None or any(draft.config.is_sliding(i) for i in range(len(draft.layers))):
+            raise DFlashError("batched decoding supports v1 drafts without sliding-window layers")
+        self.draft = draft
+        self.block_size = block_size or draft.block_size
+        if not 1 <= self.block_size <= draft.block_size:
+            raise DFlashError(f"block size must be in 1..{draft.block_size} (the draft's), got {self.block_size}")
+        self.mask_id = draft.config.mask_token_id
+        vocab = draft.config.draft_vocab  # (greedy drafts pick among it: a smaller head)
+        self.draft_vocab = mx.array(vocab, dtype=mx.uint32) if vocab else None
+        self.draft_head = self.target.head_rows(self.draft_vocab) if vocab else self.target.head
+        self.rows: dict[int, Row] = {}
+        self.order: list[int] = []  # row ids in the caches' batch order
+        self.cache: list[BatchKVCache] = []
+        self.context: list[BatchContext] = []
+        self._next_id = 0
+
+    def add(self, prompt: mx.array, max_tokens: int) -> tuple[int, int]:
+        """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch; returns
+        (row id, the prefill's token: the row's first output)."""
+        collector = _FeatureCollector()
+        cache = self.target.make_cache()
+        logits, _ = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step)
+        first = int(mx.argmax(logits).item())
+        context = self.draft.project_context(mx.concatenate(collector.features, axis=1))
+        contexts = []
+        for layer in self.draft.layers:
+            solo = KVCache()
+            solo.update_and_fetch(*layer.self_attn.context_kv(context, 0))
+            contexts.append(solo)
+        row_id, self._next_id = self._next_id, self._next_id + 1
+        if max_tokens > 1:
+            self._join(cache, contexts)
+            self.rows[row_id] = Row(prompt.size, max_tokens, first, [first])
+            self.order.append(row_id)
+        return row_id, first
+
+    def remove(self, row_id: int) -> None:
+        """The row leaves the batch (finished, or its client went away)."""
+        if row_id not in self.rows:
+            return
+        keep = [i for i, r in enumerate(self.order) if r != row_id]
+        self.order = [self.order[i] for i in keep]
+        self.rows.pop(row_id, None)
+        if not self.order:
+            self.cache, self.context = [], []
+            return
+        index = mx.array(keep)
+        for c in [*self.cache, *(ctx.cache for ctx in self.context)]:
+            c.filter(index)
+
+    def step(self) -> dict[int, list[int]]:
+        """One cycle for every row: draft, verify (one forward), accept, roll back, commit."""
+        if not self.order:
+            return {}
+        L = min(self.block_size, max(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order) + 1)
+        first = mx.array([self.rows[r].first for r in self.order], dtype=mx.uint32)
+        drafted = self._draft(first, L)  # [rows, L - 1]
+        block = mx.concatenate([first[:, None], drafted], axis=1)
+        logits, features = self.target(block, self.cache)
+        choices = mx.argmax(logits, axis=-1)  # [rows, L]
+        # Accept: the cycle's one device-to-host read.
+        choices_host, drafted_host = choices.tolist(), drafted.tolist()
+        accepted = [_matching(d, c) for d, c in zip(drafted_host, choices_host)]
+        # Roll back each row to its accepted prefix; its kept tokens become draft context.
+        for layer_cache in self.cache:
+            cut_rows(layer_cache, [L - 1 - a for a in accepted])
+        self._add_context(features, [a + 1 for a in accepted])
+        # Commit.
+        out: dict[int, list[int]] = {}
+        for row_id, a, c in zip(list(self.order), accepted, choices_host):
+            row = self.rows[row_id]
+            committed = c[: a + 1][: row.max_tokens - len(row.tokens)]
+            row.tokens += committed
+            row.first = c[a]
+            out[row_id] = committed
+        for row_id in [r for r in self.order if self.rows[r].done]:
+            self.remove(row_id)
+        return out
+
+    def _draft(self, first: mx.array, L: int) -> mx.array:
+        """Greedy drafts [rows, L - 1] for the slots after each row's ``first`` (one draft pass)."""
+        if L == 1:
+            return mx.zeros((first.size, 0), dtype=mx.uint32)
+        block = mx.concatenate([first[:, None], mx.full((first.size, L - 1), self.mask_id, dtype=mx.uint32)], axis=1)
+        h = self.draft.scale_embeddings(self.target.embed(block))
+        masks: dict = {}  # per kind of layer (sink and window): their contexts move in step
+        for layer, context in zip(self.draft.layers, self.context):
+            kind = (context.sink, context.window)
+            if kind not in masks:
+                masks[kind] = context.block_mask(L)
+            h = layer(h, context, masks[kind])
+        drafted = mx.argmax(self.draft.scale_logits(self.draft_head(self.draft.norm(h)[:, 1:])), axis=-1)
+        return drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
+
+    def _add_context(self, features: mx.array, kept: list[int]) -> None:
+        """The block's tapped features, of which each row keeps its first ``kept[i]``."""
+        context = self.draft.project_context(features)
+        n = features.shape[1]
+        for layer, ctx in zip(self.draft.layers, self.context):
+            keys, values = layer.self_attn.context_kv(context, ctx.cache.offset)
+            ctx.cache.update_and_fetch(keys, values)
+            cut_rows(ctx.cache, [n - k for k in kept])
+
+    def _join(self, cache: list[KVCache], contexts: list[KVCache]) -> None:
+        joined = [BatchKVCache.merge([c]) for c in cache]
+        joined_context = [BatchKVCache.merge([c]) for c in contexts]
+        if not self.cache:
+            self.cache = joined
+            self.context = [BatchContext(c, sink, window)
+                            for c, (sink, window) in zip(joined_context, self.draft._context_windows())]
+            return
+        for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*joined, *joined_context]):
+            mine.extend(new)
+
+
+def _matching(drafted: list[int], choices: list[int]) -> int:
+    """How many drafted tokens equal the target's choice at the slot before them."""
+    a = 0
+    while a < len(drafted) and drafted[a] == choices[a]:
+        a += 1
+    return a
+
+
+class _FeatureCollector:
+    """Stands in for a proposer during a row's prefill: keeps the tapped features."""
+
+    def __init__(self) -> None:
+        self.features: list[mx.array] = []
+
+    def add_context(self, features: mx.array, kept=None) -> None:
+        self.features.append(features)
+
+    @property
+    def state(self) -> list:
+        return self.features
+
+
+def batch_generate(model: nn.Module, prompts: list[list[int]], draft: DFlashDraft, max_tokens: list[int],
+                   block_size: Optional[int] = None, eos: frozenset = frozenset()) -> list[list[int]]:
+    """Greedy tokens of every prompt decoded in one batch, each up to its ``max_tokens`` or its
+    first EOS (not included); all rows join before the first cycle."""
+    decoder = BatchDecoder(model, draft, block_size)
+    outputs = []
+    for prompt, limit in zip(prompts, max_tokens):
+        row, first = decoder.add(mx.array(prompt, dtype=mx.uint32), limit)
+        outputs.append([first])
+        if first in eos:
+            decoder.remove(row)
+    while decoder.rows:
+        for row, tokens in decoder.step().items():
+            outputs[row] += tokens
+            if any(t in eos for t in tokens):
+                decoder.remove(row)
+    return [tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))] for tokens in outputs]

@@ -1,0 +1,112 @@
+"""Continuous batching (batch.py): rows decoded together give, token for token, mlx-lm's greedy
+output of each prompt alone, with mixed prompt lengths, rows that finish at different cycles,
+rows that join mid-way and rows that leave early; with a real (random) draft and with planted
+drafts that make each row accept a different number of tokens every cycle."""
+
+import json
+import random
+
+import mlx.core as mx
+import pytest
+from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, greedy_reference, load_tiny, make_tiny_target
+
+from mlx_dflash import create_random_draft
+from mlx_dflash.batch import BATCHED_FAMILIES, BatchDecoder, batch_generate
+from mlx_dflash.errors import DFlashError
+
+PROMPTS = [list(range(40, 40 + n)) for n in (5, 17, 30, 9, 12)]
+LIMITS = [20, 7, 33, 1, 26]
+BLOCK = 8
+
+
+@pytest.fixture(scope="module", params=sorted(BATCHED_FAMILIES))
+def pair(request, tiny_dir):
+    path = make_tiny_target(tiny_dir / f"batch-{request.param}", request.param)
+    model, _ = load_tiny(path)
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=2, block_size=BLOCK, mask_token_id=MASK_ID)
+    references = [greedy_reference(model, p, n) for p, n in zip(PROMPTS, LIMITS)]
+    return model, draft, references
+
+
+class PlantedDrafts(BatchDecoder):
+    """Drafts each row's own greedy continuation with a mistake at a random slot (or none),
+    so rows accept different counts each cycle; the draft still runs, for its context."""
+
+    def __init__(self, *args, references: dict, seed: int = 0):
+        super().__init__(*args)
+        self.references, self.rng, self.accepted = references, random.Random(seed), []
+
+    def _draft(self, first: mx.array, L: int) -> mx.array:
+        super()._draft(first, L)
+        rows = []
+        for row_id in self.order:
+            reference, done = self.references[row_id], len(self.rows[row_id].tokens)
+            slots = (reference[done : done + L - 1] + [0] * L)[: L - 1]
+            wrong = self.rng.randrange(L)  # (L - 1: all right)
+            if wrong < L - 1:
+                slots[wrong] = (slots[wrong] + 1) % 200
+            rows.append(slots)
+        return mx.array(rows, dtype=mx.uint32).reshape(len(rows), L - 1)
+
+
+def test_batch_equals_each_prompt_alone(pair):
+    model, draft, references = pair
+    assert batch_generate(model, PROMPTS, draft, LIMITS) == references
+
+
+def test_planted_acceptance_rows_join_and_leave(pair):
+    model, draft, references = pair
+    decoder = PlantedDrafts(model, draft, BLOCK, references={})
+    outputs, accepted = {}, []
+    pending = list(zip(range(len(PROMPTS)), PROMPTS, LIMITS))
+
+    def join(count):
+        for index, prompt, limit in pending[:count]:
+            row, first = decoder.add(mx.array(prompt), limit)
+            decoder.references[row] = references[index]
+            outputs[row] = (index, [first])
+        del pending[:count]
+
+    join(2)
+    cycles = 0
+    while decoder.rows or pending:
+        if cycles in (1, 3):  # rows join mid-way
+            join(2 if cycles == 1 else len(pending))
+        lengths = {row: len(decoder.rows[row].tokens) for row in decoder.order}
+        for row, tokens in decoder.step().items():
+            outputs[row][1].extend(tokens)
+            accepted.append(len(tokens) - (lengths[row] + len(tokens) >= LIMITS[outputs[row][0]]))
+        cycles += 1
+    for index, tokens in outputs.values():
+        assert tokens == references[index]
+    assert len(set(accepted)) > 3  # (rows accepted many different counts)
+
+
+def test_a_row_that_leaves_early_disturbs_no_other(pair):
+    model, draft, references = pair
+    decoder = BatchDecoder(model, draft, BLOCK)
+    rows = [decoder.add(mx.array(p), n) for p, n in zip(PROMPTS, LIMITS)]
+    outputs = {row: [first] for row, first in rows}
+    leaving = rows[2][0]
+    for cycle in range(100):
+        if not decoder.rows:
+            break
+        if cycle == 2:
+            decoder.remove(leaving)  # (a client that went away)
+        for row, tokens in decoder.step().items():
+            outputs[row] += tokens
+    for (row, _), reference in zip(rows, references):
+        if row != leaving:
+            assert outputs[row] == reference
+    assert outputs[leaving] == references[2][: len(outputs[leaving])]
+
+
+@pytest.mark.parametrize("family", sorted((set(FAMILIES) | set(MORE_FAMILIES)) - BATCHED_FAMILIES))
+def test_other_families_are_refused_with_one_line(tiny_dir, family):
+    path = make_tiny_target(tiny_dir / f"batch-refused-{family}", family)
+    model, _ = load_tiny(path)
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, block_size=BLOCK, mask_token_id=MASK_ID)
+    with pytest.raises(DFlashError, match="batched decoding supports"):
+        BatchDecoder(model, draft)
