@@ -54,6 +54,11 @@ RETIME_STEPS = 3  # such a probe's plain steps: the switch (not timed) and two t
 # otherwise kept blocks for as long as its good start outweighed the poor cycles since
 # (the value chosen with tools/policy_simulation.py --slot-decay: docs/performance.md).
 SLOT_DECAY = 0.98
+# A timed cycle dearer than this times its size's believed cost counts as that much: stalls of a
+# few times a step (the machine's hiccups, grown buffers) come often on a GPU, and a few of them
+# made plain decoding look dearer than useless full blocks for a whole text. A lasting change
+# still gets through, by up to 10% a cycle.
+SPIKE_CAP = 1.5
 # The trees a policy asked for trees (``trees=True``) may verify instead of a full block (budgets:
 # drafted nodes). A tree costs more to verify than the block's chain and commits at least about
 # what the chain does; probed like a larger block, one budget up at a time. Off by default: on the
@@ -289,7 +294,7 @@ class BlockPolicy:
         if steady and not forecast:
             old = self.seconds.get(block)
             fresh = old is None or (self.timed_previous != block and seconds < old)
-            self.seconds[block] = seconds if fresh else 0.8 * old + 0.2 * seconds
+            self.seconds[block] = seconds if fresh else 0.8 * old + 0.2 * min(seconds, SPIKE_CAP * old)
         self.timed_previous = block if steady and not forecast else None
         if block == self.probing and block > 1:  # a probe lost: look less often; it won: it is the new best
             self.probing = None
