@@ -63,9 +63,9 @@ def test_planted_acceptance_rows_join_and_leave(pair):
 
     def join(count):
         for index, prompt, limit in pending[:count]:
-            row, first = decoder.add(mx.array(prompt), limit)
-            decoder.references[row] = references[index]
-            outputs[row] = (index, [first])
+            row = decoder.add(mx.array(prompt), limit)
+            decoder.references[row.id] = references[index]
+            outputs[row.id] = (index, list(row.tokens))
         del pending[:count]
 
     join(2)
@@ -86,9 +86,9 @@ def test_planted_acceptance_rows_join_and_leave(pair):
 def test_a_row_that_leaves_early_disturbs_no_other(pair):
     model, draft, references = pair
     decoder = BatchDecoder(model, draft, BLOCK)
-    rows = [decoder.add(mx.array(p), n) for p, n in zip(PROMPTS, LIMITS)]
-    outputs = {row: [first] for row, first in rows}
-    leaving = rows[2][0]
+    rows = [decoder.add(mx.array(p), n).id for p, n in zip(PROMPTS, LIMITS)]
+    outputs = {row: [references[i][0]] for i, row in enumerate(rows)}
+    leaving = rows[2]
     for cycle in range(100):
         if not decoder.rows:
             break
@@ -96,7 +96,7 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair):
             decoder.remove(leaving)  # (a client that went away)
         for row, tokens in decoder.step().items():
             outputs[row] += tokens
-    for (row, _), reference in zip(rows, references):
+    for row, reference in zip(rows, references):
         if row != leaving:
             assert outputs[row] == reference
     assert outputs[leaving] == references[2][: len(outputs[leaving])]

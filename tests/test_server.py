@@ -177,3 +177,39 @@ def test_concurrent_clients_all_get_generate_text(server):
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(ask, conversations, timeout=120))
     assert answers == expected
+
+
+def test_load_64_requests_from_16_clients(server):
+    """Mixed lengths, streaming and not, greedy (batched) and sampled (one at a time), and a
+    client that leaves mid-stream: every request completes, each greedy reply equals its solo
+    generation, and the server still reports itself healthy with an empty batch."""
+    base, model, tokenizer, draft = server
+    jobs = [([{"role": "user", "content": f"request {i}: " + "tell me more " * (i % 5)}], 4 + 7 * (i % 4), i % 4 == 3,
+             i % 2 == 0) for i in range(64)]  # (messages, max_tokens, sampled, streamed)
+    expected = {i: expected_chat(model, tokenizer, draft, m, n).text for i, (m, n, sampled, _) in enumerate(jobs)
+                if not sampled}
+
+    def ask(i):
+        messages, max_tokens, sampled, streamed = jobs[i]
+        extra = {"temperature": 0.8, "seed": i} if sampled else {}
+        if not streamed:
+            reply = client(base).chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens, **extra)
+            return reply.choices[0].message.content, reply.choices[0].finish_reason
+        chunks = list(client(base).chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens,
+                                                           stream=True, **extra))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].choices[0].finish_reason
+
+    def leave_mid_stream():
+        body = {"model": NAME, "messages": jobs[0][0], "max_tokens": 1000, "stream": True}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())
+
+    with ThreadPoolExecutor(16) as pool:
+        leaving = pool.submit(leave_mid_stream)
+        answers = list(pool.map(ask, range(64), timeout=600))
+        leaving.result()
+    assert all(finish == "length" for _, finish in answers)
+    assert {i: answers[i][0] for i in expected} == expected
+    health = httpx.get(base + "/health").json()
+    assert health["status"] == "ok" and (health["batch"]["rows"], health["batch"]["waiting"]) == (0, 0)
+    assert health["batch"]["peak_rows"] > 4  # (the greedy requests were decoded together)

@@ -26,6 +26,7 @@ from .draft import DFlashDraft
 from .engine import prefill
 from .errors import DFlashError
 from .options import EngineOptions
+from .prefix_cache import PrefixCache
 from .target import Target, check_compatible
 
 BATCHED_FAMILIES = {"llama", "qwen2", "qwen3", "qwen3_moe"}  # plain key/value caches only
@@ -74,10 +75,12 @@ class BatchContext:
 class Row:
     """One sequence in the batch."""
 
+    id: int
     prompt_tokens: int
     max_tokens: int
     first: int  # the next block's first token (committed, not yet in the caches)
     tokens: list[int] = field(default_factory=list)  # committed so far (the prefill's token first)
+    reused_prompt_tokens: int = 0  # restored from the prefix cache instead of prefilled
 
     @property
     def done(self) -> bool:
@@ -89,7 +92,8 @@ class BatchDecoder:
     token is its first output); ``step`` runs one cycle for every row and returns the tokens
     each committed; a row leaves when it reaches its ``max_tokens`` or on ``remove``."""
 
-    def __init__(self, model: nn.Module, draft: DFlashDraft, block_size: Optional[int] = None):
+    def __init__(self, model: nn.Module, draft: DFlashDraft, block_size: Optional[int] = None,
+                 prefix_cache: Optional[PrefixCache] = None):
         check_compatible(draft, model)
         self.target = Target(model, draft.config.target_layer_ids, SERIAL)
         if self.target.family not in BATCHED_FAMILIES:
@@ -105,31 +109,34 @@ class BatchDecoder:
         vocab = draft.config.draft_vocab  # (greedy drafts pick among it: a smaller head)
         self.draft_vocab = mx.array(vocab, dtype=mx.uint32) if vocab else None
         self.draft_head = self.target.head_rows(self.draft_vocab) if vocab else self.target.head
+        self.prefix_cache = prefix_cache  # prompts' states kept for later prompts that start with them
         self.rows: dict[int, Row] = {}
         self.order: list[int] = []  # row ids in the caches' batch order
         self.cache: list[BatchKVCache] = []
         self.context: list[BatchContext] = []
         self._next_id = 0
 
-    def add(self, prompt: mx.array, max_tokens: int) -> tuple[int, int]:
-        """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch; returns
-        (row id, the prefill's token: the row's first output)."""
-        collector = _FeatureCollector()
+    def add(self, prompt: mx.array, max_tokens: int) -> Row:
+        """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
+        the prefill's token, its first output, is all it asked for)."""
+        collector = _FeatureCollector(self.draft)
         cache = self.target.make_cache()
-        logits, _ = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step)
+        logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
+                                 prefix_cache=self.prefix_cache)
         first = int(mx.argmax(logits).item())
-        context = self.draft.project_context(mx.concatenate(collector.features, axis=1))
+        context = self.draft.project_context(collector.features.features)
         contexts = []
         for layer in self.draft.layers:
             solo = KVCache()
             solo.update_and_fetch(*layer.self_attn.context_kv(context, 0))
             contexts.append(solo)
-        row_id, self._next_id = self._next_id, self._next_id + 1
-        if max_tokens > 1:
+        row = Row(self._next_id, prompt.size, max_tokens, first, [first], reused)
+        self._next_id += 1
+        if not row.done:
             self._join(cache, contexts)
-            self.rows[row_id] = Row(prompt.size, max_tokens, first, [first])
-            self.order.append(row_id)
-        return row_id, first
+            self.rows[row.id] = row
+            self.order.append(row.id)
+        return row
 
     def remove(self, row_id: int) -> None:
         """The row leaves the batch (finished, or its client went away)."""
@@ -218,18 +225,51 @@ def _matching(drafted: list[int], choices: list[int]) -> int:
     return a
 
 
-class _FeatureCollector:
-    """Stands in for a proposer during a row's prefill: keeps the tapped features."""
+class _Features:
+    """Tapped target features [1, n, F] of a prompt, kept as a prefix cache keeps a cache."""
 
-    def __init__(self) -> None:
-        self.features: list[mx.array] = []
+    def __init__(self, features: Optional[mx.array] = None):
+        self.features = features
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.features is None else self.features.nbytes
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.features.shape[1])
+        self.features = self.features[:, : self.features.shape[1] - n]
+        return n
+
+    def add(self, features: mx.array) -> None:
+        self.features = features if self.features is None else mx.concatenate([self.features, features], axis=1)
+
+
+class _FeatureCollector:
+    """Stands in for a proposer during a row's prefill: keeps the tapped features, which become
+    the row's draft context when it joins the batch (and what a prefix cache keeps of it)."""
+
+    def __init__(self, draft: DFlashDraft) -> None:
+        self.draft, self.features = draft, _Features()
 
     def add_context(self, features: mx.array, kept=None) -> None:
-        self.features.append(features)
+        self.features.add(features)
 
     @property
     def state(self) -> list:
-        return self.features
+        return [self.features.features]
+
+    @property
+    def context_key(self) -> tuple:
+        return "features", id(self.draft)
+
+    def context_caches(self) -> list:
+        return [self.features]
+
+    def use_context(self, caches: list, positions: int) -> None:
+        self.features = caches[0]
 
 
 def batch_generate(model: nn.Module, prompts: list[list[int]], draft: DFlashDraft, max_tokens: list[int],
@@ -239,10 +279,10 @@ def batch_generate(model: nn.Module, prompts: list[list[int]], draft: DFlashDraf
     decoder = BatchDecoder(model, draft, block_size)
     outputs = []
     for prompt, limit in zip(prompts, max_tokens):
-        row, first = decoder.add(mx.array(prompt, dtype=mx.uint32), limit)
-        outputs.append([first])
-        if first in eos:
-            decoder.remove(row)
+        row = decoder.add(mx.array(prompt, dtype=mx.uint32), limit)
+        outputs.append(list(row.tokens))
+        if row.first in eos:
+            decoder.remove(row.id)
     while decoder.rows:
         for row, tokens in decoder.step().items():
             outputs[row] += tokens

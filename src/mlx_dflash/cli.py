@@ -491,6 +491,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-tokens-limit", type=int, default=8192, help="largest max_tokens a request may ask for")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run every decoding path once before serving (on a GPU: builds its kernels)")
+    p.add_argument("--decode-concurrency", type=int, default=8, metavar="N",
+                   help="greedy requests decoded together in one batch (continuous batching; 1: one at a time)")
     p.add_argument("--prefix-cache-bytes", default=DEFAULT_SIZE, metavar="BYTES",
                    help="memory for prompt states that later requests starting with the same tokens reuse "
                         "(K, M, G suffixes; 0: off; default %(default)s)")
@@ -510,6 +512,8 @@ def _run_serve(args) -> None:
         raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")
     _check_block_size(args.block_size)
     prefix_cache_bytes = parse_bytes(args.prefix_cache_bytes)
+    if args.decode_concurrency < 1:
+        raise DFlashError(f"--decode-concurrency must be at least 1, got {args.decode_concurrency}")
     from .distributed import send_job, world
 
     group = world()
@@ -524,7 +528,7 @@ def _run_serve(args) -> None:
         context = min(args.context_limit or model_context, model_context)
         served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context),
                         adaptive=args.adaptive, block_size=args.block_size, trees=_trees(args),
-                        prefix_cache_bytes=prefix_cache_bytes)
+                        prefix_cache_bytes=prefix_cache_bytes, decode_concurrency=args.decode_concurrency)
         _serve_warm_up(args, served)
         config = uvicorn.Config(create_app(served), log_level="info")
         print(f"serving {model_name} on http://{args.host}:{args.port}" + _sharding_note(model), file=sys.stderr)

@@ -114,6 +114,52 @@ def _continue_after(detokenizer, prompt: mx.array) -> None:
     detokenizer.finalize()
 
 
+class TextStream:
+    """One generation's committed tokens in, its text out: ends at the first EOS (not emitted),
+    at ``max_tokens`` tokens, or at the first stop string (text cut before it; tokens end with
+    the one completing it). Holds back the characters that may start a stop string."""
+
+    def __init__(self, tokenizer, prompt: mx.array, max_tokens: int, stop: Optional[Sequence[str]] = None,
+                 continuation: bool = False):
+        self.max_tokens = max_tokens
+        self.stops = [s for s in (stop or []) if s]
+        self.hold_back = max((len(s) for s in self.stops), default=1) - 1  # chars that may start a stop string
+        self.eos = set(tokenizer.eos_token_ids)
+        self.detokenizer = tokenizer.detokenizer
+        if continuation:
+            _continue_after(self.detokenizer, prompt)
+        self.start_chars = self.sent_chars = len(self.detokenizer.text)  # (the primed prompt's text is not ours)
+        self.tokens: list[int] = []
+        self.finish_reason: Optional[str] = None
+
+    def add(self, committed: Sequence[int]) -> tuple[str, list[int]]:
+        """The text these committed tokens complete and the tokens of them that count; sets
+        ``finish_reason`` ("stop" or "length") when the generation ends with them."""
+        finish, cut, new = None, None, []
+        for token in committed:
+            if token in self.eos:
+                finish = "stop"
+                break
+            self.tokens.append(token)
+            new.append(token)
+            self.detokenizer.add_token(token)
+            if self.stops:
+                cut = _find_stop(self.detokenizer.text, self.stops, max(self.start_chars, self.sent_chars - self.hold_back))
+                if cut is not None:
+                    finish = "stop"
+                    break
+            if len(self.tokens) == self.max_tokens:
+                finish = "length"
+                break
+        if finish:
+            self.detokenizer.finalize()
+        text = self.detokenizer.text
+        end = cut if cut is not None else (len(text) if finish else max(self.sent_chars, len(text) - self.hold_back))
+        segment, self.sent_chars = text[self.sent_chars : end], max(self.sent_chars, end)
+        self.finish_reason = finish
+        return segment, new
+
+
 def stream_generate(
     model: nn.Module,
     tokenizer,
@@ -162,18 +208,9 @@ def stream_generate(
         raise DFlashError(f"block size must be in 1..{proposer.block_size} (the draft's), got {block_size}")
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
-    stops = [s for s in (stop or []) if s]
-    hold_back = max((len(s) for s in stops), default=1) - 1  # chars that may start a stop string
     prompt = encode_prompt(tokenizer, prompt, chat)
     max_tokens = bound_by_context(model, prompt.size, max_tokens)
-    eos = set(tokenizer.eos_token_ids)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    if continuation:
-        _continue_after(detokenizer, prompt)
-    start_chars = sent_chars = len(detokenizer.text)  # (the primed prompt's text is not ours)
-
-    tokens: list[int] = []
+    output = TextStream(tokenizer, prompt, max_tokens, stop, continuation)
     prefill_s, reused = 0.0, 0
     if sampling is not None and sampling.greedy and not sampling.logits_processors:
         sampling = None  # plain greedy: the bit-exact path
@@ -197,28 +234,8 @@ def stream_generate(
         if n_cycle == 0:
             prefill_s, reused = time.perf_counter() - tic, cycle.reused_prompt_tokens
             tic = time.perf_counter()
-        finish, cut, new = None, None, []
-        for token in cycle.tokens:
-            if token in eos:
-                finish = "stop"
-                break
-            tokens.append(token)
-            new.append(token)
-            detokenizer.add_token(token)
-            if stops:
-                text = detokenizer.text
-                cut = _find_stop(text, stops, max(start_chars, sent_chars - hold_back))
-                if cut is not None:
-                    finish = "stop"
-                    break
-            if len(tokens) == max_tokens:
-                finish = "length"
-                break
-        if finish:
-            detokenizer.finalize()
-        text = detokenizer.text
-        end = cut if cut is not None else (len(text) if finish else max(sent_chars, len(text) - hold_back))
-        segment, sent_chars = text[sent_chars:end], max(sent_chars, end)
+        segment, new = output.add(cycle.tokens)
+        finish = output.finish_reason
         elapsed = time.perf_counter() - tic
         yield StreamResponse(
             text=segment,
@@ -227,14 +244,14 @@ def stream_generate(
             cycle=n_cycle,
             prompt_tokens=prompt.size,
             prefill_seconds=prefill_s,
-            generation_tokens=len(tokens),
-            decode_tokens_per_sec=max(len(tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
+            generation_tokens=len(output.tokens),
+            decode_tokens_per_sec=max(len(output.tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
             finish_reason=finish,
             reused_prompt_tokens=reused,
         )
         if finish:
             if target.group is not None:
-                check_agreement(tokens, target.group)
+                check_agreement(output.tokens, target.group)
             return
 
 

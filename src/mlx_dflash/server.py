@@ -1,9 +1,11 @@
 """``mlx-dflash serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-One model, one generation at a time: requests wait on an asyncio lock (FIFO) and
-each generation runs cycle by cycle in a worker thread, so the event loop stays
-free to notice a client that disconnects mid-stream; its generation stops at the
-next cycle and the next request proceeds. Bad requests get a 4xx with an
+Greedy requests are decoded together (continuous batching, ``scheduler.py``): they join and
+leave a batch between its cycles, and each cycle verifies every row in one target forward.
+Requests the batch cannot take (sampling; targets and drafts ``batch.py`` does not batch) run
+one at a time. Every model call holds an asyncio lock (FIFO) and runs in a worker thread, so
+the event loop stays free to notice a client that disconnects mid-stream; its row or
+generation stops at the next cycle. Bad requests get a 4xx with an
 OpenAI-style error body and the server keeps serving. With a target sharded over
 processes (``mlx.launch``), process 0 serves and sends each job to the others, which
 generate it alongside (``follow``); a generation then always runs to its end.
@@ -18,16 +20,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
+import mlx.core as mx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .batch import BatchDecoder
 from .distributed import receive_job, send_job, sharding_group
-from .generate import encode_prompt, stream_generate
+from .generate import TextStream, encode_prompt, stream_generate
 from .errors import DFlashError
 from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
 from .prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
+from .scheduler import BatchRequest, BatchWorker
 from .sampling import MAX_SEED, SamplingParams
 
 ROLES = {"system", "user", "assistant"}
@@ -57,6 +62,7 @@ class Served:
     block_size: Optional[int] = None  # the largest block (default: the draft's)
     trees: Union[bool, int] = False  # tree verification (``stream_generate``'s ``trees``)
     prefix_cache_bytes: int = field(default_factory=lambda: parse_bytes(DEFAULT_SIZE))  # 0: no prefix cache
+    decode_concurrency: int = 8  # greedy requests decoded together (``batch.py``); 1: one at a time
 
     def __post_init__(self) -> None:
         # one block policy for all requests: the costs it measured carry over (policy.py)
@@ -67,6 +73,12 @@ class Served:
         self.group = sharding_group(self.model)  # a sharded target's processes: the others follow (``follow``)
         # prompt states that later requests starting with the same tokens reuse (prefix_cache.py)
         self.prefix_cache = PrefixCache(self.prefix_cache_bytes)
+        self.batch = None  # the decoder of greedy requests, where the pair can batch (``scheduler.py``)
+        if self.decode_concurrency > 1 and self.group is None:
+            try:
+                self.batch = BatchDecoder(self.model, self.draft, block_size, self.prefix_cache)
+            except DFlashError:
+                pass  # (this family or draft runs one request at a time)
 
 
 @dataclass
@@ -258,8 +270,20 @@ def create_app(served: Served) -> FastAPI:
     async def server_error(request: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
+    worker = BatchWorker(served.batch, lock, served.decode_concurrency) if served.batch is not None else None
+
     async def run(job: Job, request: Request) -> AsyncIterator:
-        """Responses of one generation; stops when the client goes away."""
+        """Responses of one generation; stops when the client goes away. Greedy requests join
+        the batch where there is one; others run alone, one at a time."""
+        if worker is not None and job.sampling is None:
+            text = TextStream(served.tokenizer, mx.array(job.prompt), job.max_tokens, job.stop, not job.chat)
+            try:
+                async for response in worker.stream(BatchRequest(job.prompt, job.max_tokens, text),
+                                                    request.is_disconnected):
+                    yield response
+            finally:
+                counts["completed" if text.finish_reason else "cancelled"] += 1
+            return
         async with lock:
             responses, finished = stream(job), False
             try:
@@ -277,7 +301,8 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **counts, "prefix_cache": served.prefix_cache.stats()}
+        batch = worker.stats() if worker is not None else None
+        return {"status": "ok", **counts, "prefix_cache": served.prefix_cache.stats(), "batch": batch}
 
     @app.get("/v1/models")
     async def models():

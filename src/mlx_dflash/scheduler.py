@@ -1,0 +1,107 @@
+"""The server's batch: greedy requests decoded together (continuous batching, ``batch.py``).
+
+Requests wait in ``pending``; before each cycle the worker merges them into the batch (each
+prompt prefilled alone) and drops the rows whose client went away or whose text ended (EOS or
+a stop string: the decoder itself only knows ``max_tokens``), then runs one cycle for all rows
+and hands each request its committed tokens. Every model call runs under the server's lock,
+one cycle at a time, so requests the batch cannot take (sampling) still run one at a time
+between cycles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import mlx.core as mx
+from starlette.concurrency import run_in_threadpool
+
+from .batch import BatchDecoder
+from .generate import StreamResponse, TextStream
+
+
+@dataclass
+class BatchRequest:
+    prompt: list[int]
+    max_tokens: int
+    text: TextStream
+    tokens: asyncio.Queue = field(default_factory=asyncio.Queue)  # committed tokens per cycle; None: the end
+    row: Optional[int] = None
+    reused_prompt_tokens: int = 0
+    leaving: bool = False  # its text ended or its client went away: drop the row at the next cycle
+
+
+class BatchWorker:
+    """Runs the batch's cycles while it has rows or requests waiting (at most ``max_rows`` rows)."""
+
+    def __init__(self, decoder: BatchDecoder, lock: asyncio.Lock, max_rows: int):
+        self.decoder, self.lock, self.max_rows = decoder, lock, max_rows
+        self.pending: list[BatchRequest] = []
+        self.active: dict[int, BatchRequest] = {}
+        self.task: Optional[asyncio.Task] = None
+        self.cycles = self.peak_rows = 0  # (``/health``)
+
+    async def stream(self, request: BatchRequest, disconnected) -> AsyncIterator[StreamResponse]:
+        """``request``'s responses, one per cycle it took part in; stops when ``disconnected()``."""
+        self.pending.append(request)
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        tic, cycles = time.perf_counter(), 0
+        try:
+            while not await disconnected():
+                committed = await request.tokens.get()
+                if committed is None:
+                    return
+                segment, new = request.text.add(committed)
+                if cycles == 0:
+                    prefill_s, tic = time.perf_counter() - tic, time.perf_counter()
+                elapsed = time.perf_counter() - tic
+                yield StreamResponse(segment, new, None if cycles == 0 else len(committed), cycles, len(request.prompt),
+                                     prefill_s, len(request.text.tokens),
+                                     max(len(request.text.tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
+                                     request.text.finish_reason, request.reused_prompt_tokens)
+                cycles += 1
+                if request.text.finish_reason:
+                    return
+        finally:
+            request.leaving = True
+
+    async def _run(self) -> None:
+        while self.pending or self.active:
+            async with self.lock:
+                await run_in_threadpool(self._cycle, asyncio.get_running_loop())
+            await asyncio.sleep(0)  # (let handlers read their tokens and new requests arrive)
+
+    def stats(self) -> dict:
+        return {"rows": len(self.active), "waiting": len(self.pending), "cycles": self.cycles,
+                "peak_rows": self.peak_rows}
+
+    def _cycle(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Join waiting requests, drop leaving rows, run one cycle (in a worker thread)."""
+        def send(request: BatchRequest, tokens: Any) -> None:
+            loop.call_soon_threadsafe(request.tokens.put_nowait, tokens)
+
+        while self.pending and len(self.active) < self.max_rows:
+            request = self.pending.pop(0)
+            if request.leaving:
+                continue
+            row = self.decoder.add(mx.array(request.prompt, dtype=mx.uint32), request.max_tokens)
+            request.row, request.reused_prompt_tokens = row.id, row.reused_prompt_tokens
+            send(request, [row.first])
+            if request.row in self.decoder.rows:
+                self.active[request.row] = request
+            else:
+                send(request, None)
+        for row, request in list(self.active.items()):
+            if request.leaving:
+                self.decoder.remove(row)
+                del self.active[row]
+        if not self.active:
+            return
+        self.cycles, self.peak_rows = self.cycles + 1, max(self.peak_rows, len(self.active))
+        for row, committed in self.decoder.step().items():
+            send(self.active[row], committed)
+            if row not in self.decoder.rows:  # (it reached its max_tokens)
+                send(self.active.pop(row), None)
