@@ -13,6 +13,7 @@ from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, greedy_reference, load
 from mlx_dflash import create_random_draft
 from mlx_dflash.batch import BATCHED_FAMILIES, BatchDecoder, batch_generate
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.policy import BlockPolicy
 
 PROMPTS = [list(range(40, 40 + n)) for n in (5, 17, 30, 9, 12)]
 LIMITS = [20, 7, 33, 1, 26]
@@ -53,6 +54,28 @@ class PlantedDrafts(BatchDecoder):
 def test_batch_equals_each_prompt_alone(pair):
     model, draft, references = pair
     assert batch_generate(model, PROMPTS, draft, LIMITS) == references
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_adaptive_block_sizes_equal_each_prompt_alone(pair, planted):
+    """With a policy choosing each cycle's size (plain steps with forecasts, short blocks, full ones)."""
+    model, draft, references = pair
+    policy = BlockPolicy(BLOCK)
+    policy.history = []
+    decoder = PlantedDrafts(model, draft, BLOCK, None, policy, references={}) if planted else (
+        BatchDecoder(model, draft, BLOCK, None, policy))
+    outputs = {}
+    for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        row = decoder.add(mx.array(prompt), limit)
+        if planted:
+            decoder.references[row.id] = references[index]
+        outputs[row.id] = list(row.tokens)
+    while decoder.rows:
+        for row, tokens in decoder.step().items():
+            outputs[row] += tokens
+    assert [outputs[i] for i in range(len(PROMPTS))] == references
+    sizes = {block for block, *_ in policy.history}
+    assert BLOCK in sizes and (planted or 1 in sizes and any(forecast for *_, forecast in policy.history))
 
 
 def test_planted_acceptance_rows_join_and_leave(pair):

@@ -9,12 +9,13 @@ another is cut back by rolling its rejected tail round to its left padding (mlx-
 ``prepare(right_padding=...)`` / ``finalize``), so every row stays a left-padded sequence.
 The draft's context per layer is kept the same way (``BatchContext``).
 
-Greedy decoding, fixed block size, targets whose caches are all plain key/value caches
+Greedy decoding, one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s), targets whose caches are all plain key/value caches
 (``BATCHED_FAMILIES``); others are refused with one clear line.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -26,6 +27,7 @@ from .draft import DFlashDraft
 from .engine import prefill
 from .errors import DFlashError
 from .options import EngineOptions
+from .policy import BlockPolicy
 from .prefix_cache import PrefixCache
 from .target import Target, check_compatible
 
@@ -93,7 +95,7 @@ class BatchDecoder:
     each committed; a row leaves when it reaches its ``max_tokens`` or on ``remove``."""
 
     def __init__(self, model: nn.Module, draft: DFlashDraft, block_size: Optional[int] = None,
-                 prefix_cache: Optional[PrefixCache] = None):
+                 prefix_cache: Optional[PrefixCache] = None, policy: Optional[BlockPolicy] = None):
         check_compatible(draft, model)
         self.target = Target(model, draft.config.target_layer_ids, SERIAL)
         if self.target.family not in BATCHED_FAMILIES:
@@ -110,6 +112,11 @@ class BatchDecoder:
         self.draft_vocab = mx.array(vocab, dtype=mx.uint32) if vocab else None
         self.draft_head = self.target.head_rows(self.draft_vocab) if vocab else self.target.head
         self.prefix_cache = prefix_cache  # prompts' states kept for later prompts that start with them
+        # Each cycle's block size for all rows, from measured speed (``policy.py``; None: full blocks):
+        # one forward of many rows costs as much for plain steps as for blocks only on a GPU.
+        self.policy = policy
+        if policy is not None and policy.max_block != self.block_size:
+            raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {self.block_size}")
         self.rows: dict[int, Row] = {}
         self.order: list[int] = []  # row ids in the caches' batch order
         self.cache: list[BatchKVCache] = []
@@ -156,15 +163,16 @@ class BatchDecoder:
         """One cycle for every row: draft, verify (one forward), accept, roll back, commit."""
         if not self.order:
             return {}
-        L = min(self.block_size, max(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order) + 1)
+        tic = time.perf_counter()
+        L, forecast = self._size(max(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order))
         first = mx.array([self.rows[r].first for r in self.order], dtype=mx.uint32)
-        drafted = self._draft(first, L)  # [rows, L - 1]
-        block = mx.concatenate([first[:, None], drafted], axis=1)
+        drafted = self._draft(first, self.block_size if forecast else L)  # [rows, L - 1] (a forecast's: more)
+        block = mx.concatenate([first[:, None], drafted[:, : L - 1]], axis=1)
         logits, features = self.target(block, self.cache)
         choices = mx.argmax(logits, axis=-1)  # [rows, L]
         # Accept: the cycle's one device-to-host read.
         choices_host, drafted_host = choices.tolist(), drafted.tolist()
-        accepted = [_matching(d, c) for d, c in zip(drafted_host, choices_host)]
+        accepted = [_matching(d[: L - 1], c) for d, c in zip(drafted_host, choices_host)]
         # Roll back each row to its accepted prefix; its kept tokens become draft context.
         for layer_cache in self.cache:
             cut_rows(layer_cache, [L - 1 - a for a in accepted])
@@ -177,9 +185,18 @@ class BatchDecoder:
             row.tokens += committed
             row.first = c[a]
             out[row_id] = committed
+        if self.policy is not None:  # (acceptance as the first row saw it; the whole batch's cost)
+            guess = drafted_host[0] if forecast else None
+            self.policy.record_cycle(L, out[self.order[0]], time.perf_counter() - tic, guess)
         for row_id in [r for r in self.order if self.rows[r].done]:
             self.remove(row_id)
         return out
+
+    def _size(self, wanted: int) -> tuple[int, bool]:
+        """The cycle's block size (every row's) and whether it drafts a forecast beside plain steps."""
+        if self.policy is None:
+            return min(self.block_size, wanted + 1), False
+        return self.policy.choose(limit=wanted + 1, trees=False), self.policy.wants_forecast
 
     def _draft(self, first: mx.array, L: int) -> mx.array:
         """Greedy drafts [rows, L - 1] for the slots after each row's ``first`` (one draft pass)."""

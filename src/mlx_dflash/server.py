@@ -76,7 +76,8 @@ class Served:
         self.batch = None  # the decoder of greedy requests, where the pair can batch (``scheduler.py``)
         if self.decode_concurrency > 1 and self.group is None:
             try:
-                self.batch = BatchDecoder(self.model, self.draft, block_size, self.prefix_cache)
+                batch_policy = BlockPolicy(block_size) if self.adaptive else None  # (its own: a batch's costs)
+                self.batch = BatchDecoder(self.model, self.draft, block_size, self.prefix_cache, batch_policy)
             except DFlashError:
                 pass  # (this family or draft runs one request at a time)
 

@@ -1,0 +1,134 @@
+"""Serving many clients: aggregate tok/s and per-request latency of our server with batching, our
+server one request at a time, and mlx-lm's batched server (no draft), side by side on one machine.
+
+    python benchmarks/serve.py [--model M] [--draft D] [--clients 1 4 8 16] [--requests 2] [--max-tokens 128]
+
+Each server runs in a process of its own on loopback (started, warmed with one request, timed,
+stopped, one after the other). At each client count C, C threads each send ``--requests``
+streamed greedy chat requests (HumanEval prompts, one after the other) through the official
+``openai`` client. Reported per server and C: completion tokens per second over the wall time
+of all C clients, and the median and 95th percentile of the time to first token and of the time
+per output token after it. Markdown on stdout; ``--json FILE`` keeps every request's figures.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+from mlx_dflash.bench import humaneval_prompts
+from mlx_dflash.models import DEFAULT_MODEL, fetch, shipped_draft
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="an mlx-lm model folder (default: the embedded default model)")
+    parser.add_argument("--draft", default=None, help="default: the draft shipped for the default model")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--requests", type=int, default=2, help="requests each client sends, one after the other")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--port", type=int, default=8391)
+    parser.add_argument("--json", default=None, help="write every request's figures here")
+    return parser.parse_args()
+
+
+def start(command: list[str], port: int) -> subprocess.Popen:
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited: {' '.join(command)}\n{process.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return process
+        except httpx.HTTPError:
+            time.sleep(1)
+    process.kill()
+    raise SystemExit(f"server did not answer in 600 s: {' '.join(command)}")
+
+
+def one_request(client: OpenAI, name: str, prompt: str, max_tokens: int) -> dict:
+    tic = time.perf_counter()
+    first, pieces, usage = None, [], None
+    stream = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=max_tokens, temperature=0.0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    end = time.perf_counter()
+    tokens = usage.completion_tokens if usage else len(pieces)
+    first = first or end
+    return {"ttft_s": first - tic, "tokens": tokens, "seconds": end - tic,
+            "per_token_s": (end - first) / max(tokens - 1, 1), "text": "".join(pieces)}
+
+
+def run_clients(port: int, name: str, clients: int, requests: int, prompts: list[str], max_tokens: int) -> dict:
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=3600, max_retries=0)
+
+    def session(c: int) -> list[dict]:
+        return [one_request(client, name, prompts[(c * requests + r) % len(prompts)], max_tokens) for r in range(requests)]
+
+    tic = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(session, range(clients)) for r in rs]
+    wall = time.perf_counter() - tic
+    ttft = sorted(r["ttft_s"] for r in results)
+    per_token = sorted(r["per_token_s"] for r in results)
+    p95 = lambda xs: xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]  # noqa: E731
+    return {"clients": clients, "tok_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50": statistics.median(ttft), "ttft_p95": p95(ttft),
+            "per_token_p50_ms": 1000 * statistics.median(per_token), "per_token_p95_ms": 1000 * p95(per_token),
+            "requests": results}
+
+
+def main() -> None:
+    args = parse_args()
+    model = args.model or str(fetch(DEFAULT_MODEL))
+    draft = args.draft or shipped_draft(DEFAULT_MODEL)
+    most = max(args.clients)
+    ours = [sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", model, "--draft", draft, "--port", str(args.port)]
+    servers = {
+        "mlx-dflash, batched": ours + ["--decode-concurrency", str(most)],
+        "mlx-dflash, one at a time": ours + ["--decode-concurrency", "1"],
+        "mlx_lm.server, batched, no draft": [sys.executable, "-m", "mlx_lm.server", "--model", model,
+                                             "--port", str(args.port), "--decode-concurrency", str(most)],
+    }
+    prompts = humaneval_prompts()
+    rows, everything = [], {}
+    for label, command in servers.items():
+        process = start(command, args.port)
+        try:
+            # (mlx-lm's server takes "default_model" for the model it was started with)
+            served = "default_model" if label.startswith("mlx_lm") else httpx.get(
+                f"http://127.0.0.1:{args.port}/v1/models").json()["data"][0]["id"]
+            one_request(OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0), served,
+                        prompts[0], 8)  # (warm)
+            for clients in args.clients:
+                result = run_clients(args.port, served, clients, args.requests, prompts, args.max_tokens)
+                everything.setdefault(label, []).append(result)
+                rows.append((label, result))
+                print(f"{label}: {clients} clients: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    print("| server | clients | aggregate tok/s | TTFT p50 / p95 s | per token p50 / p95 ms |")
+    print("|---|---|---|---|---|")
+    for label, r in rows:
+        print(f"| {label} | {r['clients']} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
+              f"{r['per_token_p50_ms']:.1f} / {r['per_token_p95_ms']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=1))
+
+
+if __name__ == "__main__":
+    main()
