@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
+from mlx_dflash import use_fast_blas
 from mlx_dflash.bench import humaneval_prompts
 from mlx_dflash.models import DEFAULT_MODEL, fetch, shipped_draft
 
@@ -93,6 +94,7 @@ def run_clients(port: int, name: str, clients: int, requests: int, prompts: list
 
 def main() -> None:
     args = parse_args()
+    use_fast_blas()  # (the servers inherit it: mlx-lm's on the same BLAS as ours)
     model = args.model or str(fetch(DEFAULT_MODEL))
     draft = args.draft or shipped_draft(DEFAULT_MODEL)
     most = max(args.clients)

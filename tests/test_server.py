@@ -213,3 +213,43 @@ def test_load_64_requests_from_16_clients(server):
     health = httpx.get(base + "/health").json()
     assert health["status"] == "ok" and (health["batch"]["rows"], health["batch"]["waiting"]) == (0, 0)
     assert health["batch"]["peak_rows"] > 4  # (the greedy requests were decoded together)
+
+
+def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
+    """A batched request that fails (here: its prefill raises) gets a server error; the requests
+    batched beside it complete with their solo outputs."""
+    from mlx_dflash.batch import BatchDecoder
+
+    path = make_tiny_target(tiny_dir / "server-failing", "qwen3")
+    model, tokenizer = load_tiny(path)
+    tokenizer.eos_token_ids = set()
+    draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1, mask_token_id=MASK_ID)
+    served = Served(model, tokenizer, draft, NAME, CONTEXT, 1800)
+
+    class FailingPrefill(BatchDecoder):
+        def add(self, prompt, max_tokens):
+            if max_tokens == 13:
+                raise RuntimeError("out of memory")
+            return super().add(prompt, max_tokens)
+
+    served.batch = FailingPrefill(model, draft, prefix_cache=served.prefix_cache)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(create_app(served), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    wait_until_healthy(base, 10)
+    try:
+        def ask(max_tokens):
+            body = {"model": NAME, "messages": MESSAGES, "max_tokens": max_tokens}
+            return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(ask, [12, 13, 14, 15]))
+        assert [r.status_code for r in replies] == [200, 500, 200, 200]
+        assert "out of memory" in replies[1].json()["error"]["message"]
+        for reply, n in zip([replies[0], *replies[2:]], [12, 14, 15]):
+            assert reply.json()["choices"][0]["message"]["content"] == expected_chat(model, tokenizer, draft, MESSAGES, n).text
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)

@@ -9,8 +9,10 @@ another is cut back by rolling its rejected tail round to its left padding (mlx-
 ``prepare(right_padding=...)`` / ``finalize``), so every row stays a left-padded sequence.
 The draft's context per layer is kept the same way (``BatchContext``).
 
-Greedy decoding, one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s), targets whose caches are all plain key/value caches
-(``BATCHED_FAMILIES``); others are refused with one clear line.
+Greedy decoding; one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); targets
+whose caches are all plain key/value caches (``BATCHED_FAMILIES``) and v1 drafts; others are
+refused with one clear line. A draft's context window limits what its passes see, not what
+the batch stores.
 """
 
 from __future__ import annotations
@@ -78,7 +80,6 @@ class Row:
     """One sequence in the batch."""
 
     id: int
-    prompt_tokens: int
     max_tokens: int
     first: int  # the next block's first token (committed, not yet in the caches)
     tokens: list[int] = field(default_factory=list)  # committed so far (the prefill's token first)
@@ -90,9 +91,9 @@ class Row:
 
 
 class BatchDecoder:
-    """Rows decoded together. ``add`` prefills a prompt and returns its row id (the prefill's
+    """Rows decoded together. ``add`` prefills a prompt and returns its ``Row`` (the prefill's
     token is its first output); ``step`` runs one cycle for every row and returns the tokens
-    each committed; a row leaves when it reaches its ``max_tokens`` or on ``remove``."""
+    each committed, by row id; a row leaves when it reaches its ``max_tokens`` or on ``remove``."""
 
     def __init__(self, model: nn.Module, draft: DFlashDraft, block_size: Optional[int] = None,
                  prefix_cache: Optional[PrefixCache] = None, policy: Optional[BlockPolicy] = None):
@@ -137,7 +138,7 @@ class BatchDecoder:
             solo = KVCache()
             solo.update_and_fetch(*layer.self_attn.context_kv(context, 0))
             contexts.append(solo)
-        row = Row(self._next_id, prompt.size, max_tokens, first, [first], reused)
+        row = Row(self._next_id, max_tokens, first, [first], reused)
         self._next_id += 1
         if not row.done:
             self._join(cache, contexts)
@@ -228,7 +229,7 @@ class BatchDecoder:
         if not self.cache:
             self.cache = joined
             self.context = [BatchContext(c, sink, window)
-                            for c, (sink, window) in zip(joined_context, self.draft._context_windows())]
+                            for c, (sink, window) in zip(joined_context, self.draft.context_windows())]
             return
         for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*joined, *joined_context]):
             mine.extend(new)

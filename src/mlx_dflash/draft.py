@@ -262,9 +262,9 @@ class DFlashDraft(nn.Module):
         """Per layer: all context, or a sink + sliding window of it (``config.context_window``)
         so that a draft pass costs the same at any context length. Sliding-window layers of
         published drafts keep their own window (their mask counts every position)."""
-        return [DraftContextCache(sink, window, pad_reads) for sink, window in self._context_windows()]
+        return [DraftContextCache(sink, window, pad_reads) for sink, window in self.context_windows()]
 
-    def _context_windows(self) -> list[tuple[int, Optional[int]]]:
+    def context_windows(self) -> list[tuple[int, Optional[int]]]:
         """Per layer, the (sink, window) of its context cache ((0, None): all context)."""
         window, sink = self.config.context_window, self.config.context_sink
         return [(sink, window) if window and not self.config.is_sliding(i) else (0, None)
@@ -334,7 +334,7 @@ class DFlashDraft(nn.Module):
         device or not) are inputs, so one trace serves every pass of a block length while the
         buffers keep their size."""
         if self._compiled_pass is None:
-            windows = self._context_windows()
+            windows = self.context_windows()
 
             def forward(x: mx.array, *state: mx.array) -> mx.array:
                 views = [ContextView(*state[4 * i : 4 * i + 4], sink, window) for i, (sink, window) in enumerate(windows)]

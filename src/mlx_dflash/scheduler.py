@@ -54,6 +54,8 @@ class BatchWorker:
                 committed = await request.tokens.get()
                 if committed is None:
                     return
+                if isinstance(committed, Exception):  # (the batch failed: every request in it fails)
+                    raise committed
                 segment, new = request.text.add(committed)
                 if cycles == 0:
                     prefill_s, tic = time.perf_counter() - tic, time.perf_counter()
@@ -70,8 +72,15 @@ class BatchWorker:
 
     async def _run(self) -> None:
         while self.pending or self.active:
-            async with self.lock:
-                await run_in_threadpool(self._cycle, asyncio.get_running_loop())
+            try:
+                async with self.lock:
+                    await run_in_threadpool(self._cycle, asyncio.get_running_loop())
+            except Exception as exc:  # the requests in the batch get the error; the batch starts afresh
+                for request in [*self.active.values(), *self.pending]:
+                    request.tokens.put_nowait(exc)
+                for row in list(self.active):
+                    self.decoder.remove(row)
+                self.active, self.pending = {}, []
             await asyncio.sleep(0)  # (let handlers read their tokens and new requests arrive)
 
     def stats(self) -> dict:
@@ -87,7 +96,11 @@ class BatchWorker:
             request = self.pending.pop(0)
             if request.leaving:
                 continue
-            row = self.decoder.add(mx.array(request.prompt, dtype=mx.uint32), request.max_tokens)
+            try:
+                row = self.decoder.add(mx.array(request.prompt, dtype=mx.uint32), request.max_tokens)
+            except Exception as exc:  # (its prefill failed: it fails alone, the batch goes on)
+                send(request, exc)
+                continue
             request.row, request.reused_prompt_tokens = row.id, row.reused_prompt_tokens
             send(request, [row.first])
             if request.row in self.decoder.rows:
