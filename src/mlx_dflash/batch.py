@@ -4,13 +4,14 @@ forward per cycle for all of them.
 Rows join (their prompt prefilled alone, then merged in) and leave between cycles. A cycle:
 draft a block for every row, verify the blocks as one [rows, block] batch, accept per row,
 roll each row back to its own accepted prefix, commit. The target's caches are mlx-lm's
-``BatchKVCache``: rows left-padded to a common end; a row that accepted fewer tokens than
+``BatchKVCache`` (``BatchRotatingKVCache`` for sliding-window layers): rows left-padded to a common end; a row that accepted fewer tokens than
 another is cut back by rolling its rejected tail round to its left padding (mlx-lm's
 ``prepare(right_padding=...)`` / ``finalize``), so every row stays a left-padded sequence.
 The draft's context per layer is kept the same way (``BatchContext``).
 
 Greedy decoding; one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); targets
-whose caches are all plain key/value caches (``BATCHED_FAMILIES``) and v1 drafts; others are
+whose caches are all key/value caches (``BATCHED_FAMILIES``: not yet the recurrent state of
+hybrid targets) and v1 drafts; others are
 refused with one clear line. A draft's context window limits what its passes see, not what
 the batch stores.
 """
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, dynamic_roll
 
 from .draft import DFlashDraft
 from .engine import prefill
@@ -33,18 +34,29 @@ from .policy import BlockPolicy
 from .prefix_cache import PrefixCache
 from .target import Target, check_compatible
 
-BATCHED_FAMILIES = {"llama", "qwen2", "qwen3", "qwen3_moe"}  # plain key/value caches only
+BATCHED_FAMILIES = {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"}  # key/value caches
 SERIAL = EngineOptions(queue_ahead=False, compile_blocks=False, pad_reads=False)  # (mlx-lm's caches, eager)
 
 
-def cut_rows(cache: BatchKVCache, drop: list[int]) -> None:
+def cut_rows(cache: Union[BatchKVCache, BatchRotatingKVCache], drop: list[int]) -> None:
     """Drop the last ``drop[i]`` positions of row i: the common part trimmed, the rest rolled
-    round to the row's left padding (mlx-lm's right padding made left padding)."""
-    common = min(drop)
+    round to the row's left padding (right padding made left padding, as mlx-lm's ``finalize``)."""
+    common, rest = min(drop), [d - min(drop) for d in drop]
+    if isinstance(cache, BatchRotatingKVCache):  # (after a block: in temporal order, the block at the end)
+        if common:  # cut off the buffer, or later updates would rotate the rejected keys back in
+            end = cache._idx - common
+            cache.keys, cache.values = cache.keys[..., :end, :], cache.values[..., :end, :]
+            cache._idx, cache._offset, cache.offset = end, cache._offset - common, cache.offset - common
+        if max(rest):
+            shifts = mx.array(rest)
+            cache.keys = dynamic_roll(cache.keys, shifts[:, None], axis=2)
+            cache.values = dynamic_roll(cache.values, shifts[:, None], axis=2)
+            cache.left_padding, cache.offset = cache.left_padding + shifts, cache.offset - shifts
+        return
     if common:
         cache.trim(common)
-    if max(drop) > common:
-        cache.prepare(right_padding=[d - common for d in drop])
+    if max(rest):
+        cache.prepare(right_padding=rest)
         cache.finalize()
 
 
@@ -223,8 +235,8 @@ class BatchDecoder:
             ctx.cache.update_and_fetch(keys, values)
             cut_rows(ctx.cache, [n - k for k in kept])
 
-    def _join(self, cache: list[KVCache], contexts: list[KVCache]) -> None:
-        joined = [BatchKVCache.merge([c]) for c in cache]
+    def _join(self, cache: list[Any], contexts: list[KVCache]) -> None:
+        joined = [c.merge([c]) for c in cache]  # (a batch cache of the solo cache's kind)
         joined_context = [BatchKVCache.merge([c]) for c in contexts]
         if not self.cache:
             self.cache = joined
