@@ -133,3 +133,24 @@ def test_other_families_are_refused_with_one_line(tiny_dir, family):
     draft = create_random_draft(config, num_layers=1, block_size=BLOCK, mask_token_id=MASK_ID)
     with pytest.raises(DFlashError, match="batched decoding supports"):
         BatchDecoder(model, draft)
+
+
+def test_a_rows_prompt_and_reply_serve_the_next_turn(pair):
+    """With a prefix cache, a row that leaves keeps its prompt and reply: the next turn (the
+    prompt, the reply, a new message) prefills only the message, and its tokens are the cold ones."""
+    from mlx_dflash.prefix_cache import PrefixCache
+
+    model, draft, references = pair
+    decoder = BatchDecoder(model, draft, BLOCK, PrefixCache(1 << 30))
+    first = decoder.add(mx.array(PROMPTS[2]), LIMITS[2])
+    reply = list(first.tokens)
+    while decoder.rows:
+        reply += decoder.step().get(first.id, [])
+    assert reply == references[2]
+    turn = PROMPTS[2] + reply + list(range(60, 70))
+    second = decoder.add(mx.array(turn), 12)
+    assert second.reused_prompt_tokens == len(PROMPTS[2]) + len(reply) - 1
+    tokens = list(second.tokens)
+    while decoder.rows:
+        tokens += decoder.step().get(second.id, [])
+    assert tokens == greedy_reference(model, turn, 12)

@@ -92,6 +92,7 @@ class Row:
     """One sequence in the batch."""
 
     id: int
+    prompt: list[int]
     max_tokens: int
     first: int  # the next block's first token (committed, not yet in the caches)
     tokens: list[int] = field(default_factory=list)  # committed so far (the prefill's token first)
@@ -139,29 +140,26 @@ class BatchDecoder:
     def add(self, prompt: mx.array, max_tokens: int) -> Row:
         """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
         the prefill's token, its first output, is all it asked for)."""
-        collector = _FeatureCollector(self.draft)
+        collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()
         logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
                                  prefix_cache=self.prefix_cache)
         first = int(mx.argmax(logits).item())
-        context = self.draft.project_context(collector.features.features)
-        contexts = []
-        for layer in self.draft.layers:
-            solo = KVCache()
-            solo.update_and_fetch(*layer.self_attn.context_kv(context, 0))
-            contexts.append(solo)
-        row = Row(self._next_id, max_tokens, first, [first], reused)
+        row = Row(self._next_id, prompt.tolist(), max_tokens, first, [first], reused)
         self._next_id += 1
         if not row.done:
-            self._join(cache, contexts)
+            self._join(cache, collector.caches)
             self.rows[row.id] = row
             self.order.append(row.id)
         return row
 
     def remove(self, row_id: int) -> None:
-        """The row leaves the batch (finished, or its client went away)."""
+        """The row leaves the batch (finished, or its client went away); a prefix cache keeps
+        its state: a chat's next turn resends this prompt and its reply."""
         if row_id not in self.rows:
             return
+        if self.prefix_cache is not None:
+            self._keep_prefix(self.order.index(row_id), self.rows[row_id])
         keep = [i for i, r in enumerate(self.order) if r != row_id]
         self.order = [self.order[i] for i in keep]
         self.rows.pop(row_id, None)
@@ -171,6 +169,17 @@ class BatchDecoder:
         index = mx.array(keep)
         for c in [*self.cache, *(ctx.cache for ctx in self.context)]:
             c.filter(index)
+
+    def _keep_prefix(self, index: int, row: Row) -> None:
+        """Store row ``index``'s caches, cut to its committed tokens but the latest (not in them yet)."""
+        tokens = row.prompt + row.tokens[:-1]
+        target = [c.extract(index) for c in self.cache]
+        context = [ctx.cache.extract(index) for ctx in self.context]
+        for cache in [*target, *context]:
+            extra = cache.offset - len(tokens)  # (drafts accepted past max_tokens)
+            if extra and (not cache.is_trimmable() or cache.trim(extra) != extra):
+                return
+        self.prefix_cache.store(self.target, _ContextCollector(self.draft, context), target, tokens)
 
     def step(self) -> dict[int, list[int]]:
         """One cycle for every row: draft, verify (one forward), accept, roll back, commit."""
@@ -255,51 +264,33 @@ def _matching(drafted: list[int], choices: list[int]) -> int:
     return a
 
 
-class _Features:
-    """Tapped target features [1, n, F] of a prompt, kept as a prefix cache keeps a cache."""
+class _ContextCollector:
+    """Stands in for a proposer during a row's prefill: the draft's context of the prompt, per
+    draft layer a ``KVCache`` of its projected keys and values (what the row brings into the
+    batch, and what a prefix cache keeps of it)."""
 
-    def __init__(self, features: Optional[mx.array] = None):
-        self.features = features
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.features is None else self.features.nbytes
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(n, self.features.shape[1])
-        self.features = self.features[:, : self.features.shape[1] - n]
-        return n
-
-    def add(self, features: mx.array) -> None:
-        self.features = features if self.features is None else mx.concatenate([self.features, features], axis=1)
-
-
-class _FeatureCollector:
-    """Stands in for a proposer during a row's prefill: keeps the tapped features, which become
-    the row's draft context when it joins the batch (and what a prefix cache keeps of it)."""
-
-    def __init__(self, draft: DFlashDraft) -> None:
-        self.draft, self.features = draft, _Features()
+    def __init__(self, draft: DFlashDraft, caches: Optional[list[KVCache]] = None) -> None:
+        self.draft = draft
+        self.caches = caches if caches is not None else [KVCache() for _ in draft.layers]
 
     def add_context(self, features: mx.array, kept=None) -> None:
-        self.features.add(features)
+        context = self.draft.project_context(features)
+        for layer, cache in zip(self.draft.layers, self.caches):
+            cache.update_and_fetch(*layer.self_attn.context_kv(context, cache.offset))
 
     @property
     def state(self) -> list:
-        return [self.features.features]
+        return [cache.state for cache in self.caches]
 
     @property
     def context_key(self) -> tuple:
-        return "features", id(self.draft)
+        return "batch context", id(self.draft)
 
     def context_caches(self) -> list:
-        return [self.features]
+        return self.caches
 
     def use_context(self, caches: list, positions: int) -> None:
-        self.features = caches[0]
+        self.caches = caches
 
 
 def batch_generate(model: nn.Module, prompts: list[list[int]], draft: DFlashDraft, max_tokens: list[int],

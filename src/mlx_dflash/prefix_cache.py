@@ -7,7 +7,8 @@ boundary (all but its last token, which a generation always runs itself); a late
 restores the longest stored prefix of it and prefills only the rest. Key/value caches can be
 cut back, so a stored prompt that shares only part of a new one serves that part too; a
 recurrent state cannot, so hybrid targets reuse whole stored prompts only (each turn of a chat
-starts with the previous turn's prompt, so those hit as well).
+starts with the previous turn's prompt, so those hit as well). The server's batch also stores
+each request's prompt and reply when it ends (``batch.BatchDecoder.remove``).
 
 The entries live in mlx-lm's ``LRUPromptCache`` (a trie of token sequences, least recently
 used evicted first) bounded by bytes; each entry's caches are copied in and copied out, so
