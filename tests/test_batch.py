@@ -154,3 +154,19 @@ def test_a_rows_prompt_and_reply_serve_the_next_turn(pair):
     while decoder.rows:
         tokens += decoder.step().get(second.id, [])
     assert tokens == greedy_reference(model, turn, 12)
+
+
+def test_the_server_says_why_it_does_not_batch(pair, tiny_dir):
+    from mlx_dflash.server import Served
+
+    model, draft, _ = pair
+    served = Served(model, None, draft, "m", 2048, 64)
+    assert served.batch is not None and served.unbatched is None
+    assert Served(model, None, draft, "m", 2048, 64, decode_concurrency=1).unbatched == "--decode-concurrency 1"
+    assert "tree" in Served(model, None, draft, "m", 2048, 64, trees=True).unbatched
+    path = make_tiny_target(tiny_dir / "batch-served-hybrid", "qwen3_5")
+    hybrid, _ = load_tiny(path)
+    hybrid_draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1,
+                                       block_size=BLOCK, mask_token_id=MASK_ID)
+    served = Served(hybrid, None, hybrid_draft, "m", 2048, 64)
+    assert served.batch is None and "batched decoding supports" in served.unbatched

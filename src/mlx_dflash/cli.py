@@ -530,6 +530,8 @@ def _run_serve(args) -> None:
                         adaptive=args.adaptive, block_size=args.block_size, trees=_trees(args),
                         prefix_cache_bytes=prefix_cache_bytes, decode_concurrency=args.decode_concurrency)
         _serve_warm_up(args, served)
+        if served.unbatched is not None:
+            print(f"greedy requests are served one at a time: {served.unbatched}", file=sys.stderr)
         config = uvicorn.Config(create_app(served), log_level="info")
         print(f"serving {model_name} on http://{args.host}:{args.port}" + _sharding_note(model), file=sys.stderr)
         try:

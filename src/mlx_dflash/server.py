@@ -74,12 +74,22 @@ class Served:
         # prompt states that later requests starting with the same tokens reuse (prefix_cache.py)
         self.prefix_cache = PrefixCache(self.prefix_cache_bytes)
         self.batch = None  # the decoder of greedy requests, where the pair can batch (``scheduler.py``)
-        if self.decode_concurrency > 1 and self.group is None:
+        self.unbatched = self._unbatched()  # why not (None: batched)
+        if self.unbatched is None:
             try:
                 batch_policy = BlockPolicy(block_size) if self.adaptive else None  # (its own: a batch's costs)
                 self.batch = BatchDecoder(self.model, self.draft, block_size, self.prefix_cache, batch_policy)
-            except DFlashError:
-                pass  # (this family or draft runs one request at a time)
+            except DFlashError as exc:  # (this family or draft runs one request at a time)
+                self.unbatched = str(exc)
+
+    def _unbatched(self) -> Optional[str]:
+        if self.decode_concurrency <= 1:
+            return "--decode-concurrency 1"
+        if self.group is not None:
+            return "a sharded target"
+        if self.trees is not False:
+            return "tree verification (the batch verifies chains)"
+        return None
 
 
 @dataclass

@@ -6,7 +6,8 @@ DFlash pair, seconds each) and keeps them on disk (``MLX_PTX_CACHE_DIR``, by def
 and captures their graphs on first use. Without a warm-up all of that lands in the first
 generation. A kernel's identity depends on the graph (fused ops, dtypes), not on its sizes, so
 one short run of each path suffices: every block size the adaptive policy picks, a plain step
-with and without a forecast, blocks queued behind blocks, a context long enough that block
+with and without a forecast, forecasts after runs of plain steps (their deferred contexts in
+each padded row count: new row counts are new matmul shapes), blocks queued behind blocks, a context long enough that block
 attention leaves our CUDA kernel for MLX's (``cuda_attention.MAX_HEADS_TIMES_KEYS``), and
 temperature sampling. The warm-up uses caches of its own: no output token depends on it.
 """
