@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_pair_files
+from tiny_models import free_port, tiny_pair_files
 
 TOOLS = Path(__file__).parent.parent / "tools"
 
@@ -79,3 +79,13 @@ def test_prefix_cache_benchmark(pair):
                               "--message", "10", "--tokens", "4", "--repeats", "1", "--json", folder=BENCHMARKS))
     assert out["same_tokens"] is True and out["turn_prompt"] == 330
     assert 0 < out["cached_ttft_s"] and 0 < out["cold_ttft_s"]
+
+
+def test_serve_benchmark(pair, tmp_path):
+    model, draft = pair
+    out = run_tool("serve.py", "--model", model, "--draft", draft, "--clients", "1", "2", "--requests", "1",
+                   "--max-tokens", "4", "--port", str(free_port()), "--json", str(tmp_path / "serve.json"), folder=BENCHMARKS)
+    rows = [line for line in out.splitlines() if line.startswith("| mlx")]
+    assert len(rows) == 6  # (three servers, two client counts)
+    figures = json.loads((tmp_path / "serve.json").read_text())
+    assert all(r["tokens"] >= 1 for runs in figures.values() for run in runs for r in run["requests"])
