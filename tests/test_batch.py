@@ -170,3 +170,21 @@ def test_the_server_says_why_it_does_not_batch(pair, tiny_dir):
                                        block_size=BLOCK, mask_token_id=MASK_ID)
     served = Served(hybrid, None, hybrid_draft, "m", 2048, 64)
     assert served.batch is None and "batched decoding supports" in served.unbatched
+
+
+def test_the_batch_warm_up_changes_no_token(pair):
+    from mlx_dflash.prefix_cache import PrefixCache
+    from mlx_dflash.warmup import warm_up_batch
+
+    model, draft, references = pair
+    decoder = BatchDecoder(model, draft, BLOCK, PrefixCache(1 << 30), BlockPolicy(BLOCK))
+    warm_up_batch(decoder)
+    assert not decoder.rows and decoder.prefix_cache.stats()["entries"] == 0 and decoder.policy.seconds
+    outputs = {}
+    for prompt, limit in zip(PROMPTS, LIMITS):
+        row = decoder.add(mx.array(prompt), limit)
+        outputs[row.id] = list(row.tokens)
+    while decoder.rows:
+        for row, tokens in decoder.step().items():
+            outputs[row] += tokens
+    assert list(outputs.values()) == references

@@ -7,6 +7,7 @@ import errno
 import os
 import signal
 import sys
+import time
 
 from typing import Union
 
@@ -543,11 +544,15 @@ def _run_serve(args) -> None:
 
 def _serve_warm_up(args, served) -> None:
     if args.warmup:
-        from .warmup import warm_up
+        from .warmup import warm_up, warm_up_batch
 
         print(WARMING_UP, file=sys.stderr, flush=True)
         seconds = warm_up(served.model, served.draft, args.block_size, policy=served.policy,
                           tree_budget=fixed_tree_budget(served.trees))
+        if served.batch is not None:
+            tic = time.perf_counter()
+            warm_up_batch(served.batch)
+            seconds += time.perf_counter() - tic
         print(f"warmed up in {seconds:.1f}s", file=sys.stderr)
 
 

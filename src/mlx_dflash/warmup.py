@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +30,9 @@ from .policy import BlockPolicy, candidate_sizes
 from .proposer import MAX_SINGLE_ROWS, Proposer, single_rows
 from .sampling import SamplingParams
 from .target import Target, context_length
+
+if TYPE_CHECKING:
+    from .batch import BatchDecoder
 
 SHORT_PROMPT = 16
 REPEATS = 3  # cycles of each size: the first after a read count, then queued behind its own size
@@ -100,6 +103,20 @@ def run_deferred_contexts(target: Target, proposer: Proposer, block_size: int) -
         for _ in range(rows):
             proposer.add_context(features[:, :1])
         mx.eval(proposer.propose(prompt[:1], block_size - 1))
+
+
+def warm_up_batch(decoder: "BatchDecoder") -> None:
+    """A few cycles of a two-row batch (rows of two lengths, one leaving before the other), as
+    the server runs its batch: on a GPU its kernels are then built before the first request.
+    Its policy learns the costs; nothing goes into its prefix cache."""
+    kept, decoder.prefix_cache = decoder.prefix_cache, None
+    try:
+        for length, max_tokens in ((SHORT_PROMPT, 3 * decoder.block_size), (SHORT_PROMPT // 2, decoder.block_size)):
+            decoder.add((mx.arange(length) * 7919 + 11).astype(mx.uint32) % decoder.target.vocab_size, max_tokens)
+        while decoder.rows:
+            decoder.step()
+    finally:
+        decoder.prefix_cache = kept
 
 
 def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: Optional[int] = None,
