@@ -3,8 +3,8 @@ server one request at a time, and mlx-lm's batched server (no draft), side by si
 
     python benchmarks/serve.py [--model M] [--draft D] [--clients 1 4 8 16] [--requests 2] [--max-tokens 128]
 
-Each server runs in a process of its own on loopback (started, warmed with one request, timed,
-stopped, one after the other). At each client count C, C threads each send ``--requests``
+Each server runs in a process of its own on loopback (started, warmed with short requests at each
+client count, timed, stopped, one after the other). At each client count C, C threads each send ``--requests``
 streamed greedy chat requests (HumanEval prompts, one after the other) through the official
 ``openai`` client. Reported per server and C: completion tokens per second over the wall time
 of all C clients, and the median and 95th percentile of the time to first token and of the time
@@ -113,8 +113,8 @@ def main() -> None:
             # (mlx-lm's server takes "default_model" for the model it was started with)
             served = "default_model" if label.startswith("mlx_lm") else httpx.get(
                 f"http://127.0.0.1:{args.port}/v1/models").json()["data"][0]["id"]
-            one_request(OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0), served,
-                        prompts[0], 8)  # (warm)
+            for clients in args.clients:  # (warm: each batch size's kernels built before timing)
+                run_clients(args.port, served, clients, 1, prompts, max(8, args.max_tokens // 4))
             for clients in args.clients:
                 result = run_clients(args.port, served, clients, args.requests, prompts, args.max_tokens)
                 everything.setdefault(label, []).append(result)

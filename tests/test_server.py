@@ -97,6 +97,31 @@ def test_chat_turns_reuse_the_prefix_cache(server):
     assert 0 < after["bytes"] <= after["max_bytes"]
 
 
+def test_a_lone_request_runs_alone_and_others_batch_beside_it(server):
+    """A greedy request that arrives alone takes the single-sequence engine (the batch runs no
+    cycle). Greedy requests that arrive while a generation runs there are batched, their cycles
+    between its own: every reply equals its solo generation, the seeded one's included."""
+    base, model, tokenizer, draft = server
+    cycles = httpx.get(base + "/health").json()["batch"]["cycles"]
+    reply = client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10)
+    assert reply.choices[0].message.content == expected_chat(model, tokenizer, draft, MESSAGES, 10).text
+    assert httpx.get(base + "/health").json()["batch"]["cycles"] == cycles
+    sampled = {"model": NAME, "messages": MESSAGES, "max_tokens": 600, "temperature": 1.0, "seed": 5}
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**sampled, "stream": True}, timeout=120) as alone:
+        lines = alone.iter_lines()
+        first = next(lines)
+        conversations = [[{"role": "user", "content": f"Beside {i}"}] for i in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda m: client(base).chat.completions.create(
+                model=NAME, messages=m, max_tokens=12).choices[0].message.content, conversations))
+        assert answers == [expected_chat(model, tokenizer, draft, m, 12).text for m in conversations]
+        assert httpx.get(base + "/health").json()["batch"]["cycles"] > cycles
+        text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in [first, *lines] if line.startswith("data: {"))
+    alone_again = httpx.post(base + "/v1/chat/completions", json=sampled, timeout=120).json()
+    assert text == alone_again["choices"][0]["message"]["content"]
+
+
 def test_chat_streaming_equals_generate(server):
     base, model, tokenizer, draft = server
     chunks = list(client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24, stream=True))
@@ -244,8 +269,13 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
             body = {"model": NAME, "messages": MESSAGES, "max_tokens": max_tokens}
             return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
 
-        with ThreadPoolExecutor(4) as pool:
-            replies = list(pool.map(ask, [12, 13, 14, 15]))
+        # (a long sampled generation holds the single-sequence path, so that all four go to the batch)
+        body = {"model": NAME, "messages": MESSAGES, "max_tokens": 1000, "stream": True, "temperature": 1.0}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as alone:
+            lines = alone.iter_lines()  # (kept: a dropped line iterator closes the connection)
+            next(lines)
+            with ThreadPoolExecutor(4) as pool:
+                replies = list(pool.map(ask, [12, 13, 14, 15]))
         assert [r.status_code for r in replies] == [200, 500, 200, 200]
         assert "out of memory" in replies[1].json()["error"]["message"]
         for reply, n in zip([replies[0], *replies[2:]], [12, 14, 15]):

@@ -4,8 +4,8 @@ Requests wait in ``pending``; before each cycle the worker merges them into the 
 prompt prefilled alone) and drops the rows whose client went away or whose text ended (EOS or
 a stop string: the decoder itself only knows ``max_tokens``), then runs one cycle for all rows
 and hands each request its committed tokens. Every model call runs under the server's lock,
-one cycle at a time, so requests the batch cannot take (sampling) still run one at a time
-between cycles.
+one cycle at a time, so a generation outside the batch (sampling, or a request that came alone)
+runs its cycles between the batch's.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ class BatchWorker:
         self.active: dict[int, BatchRequest] = {}
         self.task: Optional[asyncio.Task] = None
         self.cycles = self.peak_rows = 0  # (``/health``)
+
+    @property
+    def busy(self) -> bool:
+        """Rows in the batch or requests waiting to join it."""
+        return bool(self.pending or self.active)
 
     async def stream(self, request: BatchRequest, disconnected) -> AsyncIterator[StreamResponse]:
         """``request``'s responses, one per cycle it took part in; stops when ``disconnected()``."""

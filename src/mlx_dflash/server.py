@@ -1,9 +1,10 @@
 """``mlx-dflash serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 Greedy requests are decoded together (continuous batching, ``scheduler.py``): they join and
-leave a batch between its cycles, and each cycle verifies every row in one target forward.
-Requests the batch cannot take (sampling; targets and drafts ``batch.py`` does not batch) run
-one at a time. Every model call holds an asyncio lock (FIFO) and runs in a worker thread, so
+leave a batch between its cycles, and each cycle verifies every row in one target forward. A
+request that arrives alone runs on the single-sequence engine (faster for one sequence), as do
+requests the batch cannot take (sampling; targets and drafts ``batch.py`` does not batch), one
+at a time beside the batch. Every model call holds an asyncio lock (FIFO), a cycle at a time, and runs in a worker thread, so
 the event loop stays free to notice a client that disconnects mid-stream; its row or
 generation stops at the next cycle. Bad requests get a 4xx with an
 OpenAI-style error body and the server keeps serving. With a target sharded over
@@ -283,10 +284,13 @@ def create_app(served: Served) -> FastAPI:
 
     worker = BatchWorker(served.batch, lock, served.decode_concurrency) if served.batch is not None else None
 
+    solo = asyncio.Lock()  # one generation outside the batch at a time
+
     async def run(job: Job, request: Request) -> AsyncIterator:
-        """Responses of one generation; stops when the client goes away. Greedy requests join
-        the batch where there is one; others run alone, one at a time."""
-        if worker is not None and job.sampling is None:
+        """Responses of one generation; stops when the client goes away. A greedy request joins
+        the batch where there is one, unless it is the only request: then it runs alone, on the
+        single-sequence engine (queued cycles, compiled blocks), as sampled requests do."""
+        if worker is not None and job.sampling is None and (worker.busy or solo.locked()):
             text = TextStream(served.tokenizer, mx.array(job.prompt), job.max_tokens, job.stop, not job.chat)
             try:
                 async for response in worker.stream(BatchRequest(job.prompt, job.max_tokens, text),
@@ -295,19 +299,21 @@ def create_app(served: Served) -> FastAPI:
             finally:
                 counts["completed" if text.finish_reason else "cancelled"] += 1
             return
-        async with lock:
+        async with solo:  # (the lock per cycle: the batch's cycles run between this one's)
             responses, finished = stream(job), False
             try:
                 while not await request.is_disconnected():
-                    response = await run_in_threadpool(next, responses, None)
+                    async with lock:
+                        response = await run_in_threadpool(next, responses, None)
                     if response is None:
                         finished = True
                         return
                     yield response
             finally:
-                if served.group is not None and not finished:  # the others run it to its end: so must we
-                    await run_in_threadpool(lambda: all(True for _ in responses))
-                responses.close()
+                async with lock:
+                    if served.group is not None and not finished:  # the others run it to its end: so must we
+                        await run_in_threadpool(lambda: all(True for _ in responses))
+                    responses.close()
                 counts["completed" if finished else "cancelled"] += 1
 
     @app.get("/health")
