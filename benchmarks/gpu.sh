@@ -42,7 +42,7 @@ for part in "${PARTS[@]}"; do
       MLX_PTX_CACHE_DIR=$kernels python3 tools/cold_start.py --method dflash --warmup --generations 2 | tee -a "$RESULTS/cold.jsonl" ;;
     floor)
       for shape in qwen3-4b qwen3-8b; do
-        mlx-dflash bench --scale $shape --replay-mean 1 --num-prompts 5 --lengths 128 256 1024 \
+        mlx-dflash bench --scale $shape --replay-mean 1 --num-prompts 5 --lengths 128 256 1024 --repeats 3 \
           --out "$RESULTS/floor-$shape" | tee "$RESULTS/floor-$shape.md"
       done ;;
     prefix)
