@@ -3,10 +3,10 @@ server one request at a time, and mlx-lm's batched server (no draft), side by si
 
     python benchmarks/serve.py [--model M] [--draft D] [--clients 1 4 8 16] [--requests 2] [--max-tokens 128]
 
-Each server runs in a process of its own on loopback (started, warmed with short requests at each
-client count, timed, stopped, one after the other). At each client count C, C threads each send ``--requests``
-streamed greedy chat requests (HumanEval prompts, one after the other) through the official
-``openai`` client. Reported per server and C: completion tokens per second over the wall time
+Each server runs in a process of its own on loopback (started, warmed with short requests at
+each client count, timed, stopped, one after the other). At each client count C, C threads each
+send ``--requests`` streamed greedy chat requests (HumanEval prompts, one after the other)
+through the official ``openai`` client. Reported per server and C: completion tokens per second over the wall time
 of all C clients, and the median and 95th percentile of the time to first token and of the time
 per output token after it. Markdown on stdout; ``--json FILE`` keeps every request's figures.
 """

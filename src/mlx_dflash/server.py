@@ -299,7 +299,9 @@ def create_app(served: Served) -> FastAPI:
             finally:
                 counts["completed" if text.finish_reason else "cancelled"] += 1
             return
-        async with solo:  # (the lock per cycle: the batch's cycles run between this one's)
+        # The lock per cycle: the batch's cycles run between this one's (and count in the cycle
+        # times its policy sees, each capped at 1.5x a size's cost: ``policy.SPIKE_CAP``).
+        async with solo:
             responses, finished = stream(job), False
             try:
                 while not await request.is_disconnected():
