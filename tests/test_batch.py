@@ -13,6 +13,7 @@ from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, greedy_reference, load
 from mlx_dflash import create_random_draft
 from mlx_dflash.batch import BATCHED_FAMILIES, BatchDecoder, batch_generate
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.options import EngineOptions
 from mlx_dflash.policy import BlockPolicy
 
 PROMPTS = [list(range(40, 40 + n)) for n in (5, 17, 30, 9, 12)]
@@ -56,11 +57,19 @@ def test_batch_equals_each_prompt_alone(pair):
     assert batch_generate(model, PROMPTS, draft, LIMITS) == references
 
 
+class PlantedCosts(BlockPolicy):
+    """Sees a block of 8 cost 3 plain steps (a CPU's ratio) whatever this machine measures, so
+    that its choices depend on acceptance alone."""
+
+    def record(self, block: int, acceptance: int, seconds: float, forecast: bool = False) -> None:
+        super().record(block, acceptance, 0.01 * (1 + block / 4), forecast)
+
+
 @pytest.mark.parametrize("planted", [False, True])
 def test_adaptive_block_sizes_equal_each_prompt_alone(pair, planted):
     """With a policy choosing each cycle's size (plain steps with forecasts, short blocks, full ones)."""
     model, draft, references = pair
-    policy = BlockPolicy(BLOCK)
+    policy = PlantedCosts(BLOCK)
     policy.history = []
     decoder = PlantedDrafts(model, draft, BLOCK, None, policy, references={}) if planted else (
         BatchDecoder(model, draft, BLOCK, None, policy))
@@ -104,6 +113,27 @@ def test_planted_acceptance_rows_join_and_leave(pair):
     for index, tokens in outputs.values():
         assert tokens == references[index]
     assert len(set(accepted)) > 3  # (rows accepted many different counts)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_compiled_and_eager_verifies_equal_each_prompt_alone(pair, compiled):
+    """Verifies under mx.compile (a trace over every row's own length, as on GPUs) and eager."""
+    model, draft, references = pair
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, EngineOptions(queue_ahead=False, compile_blocks=compiled),
+                            references={})
+    calls, compiled_block = [], decoder.target._compiled_block
+    decoder.target._compiled_block = lambda *args: calls.append(args) or compiled_block(*args)
+    outputs = {}
+    for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        row = decoder.add(mx.array(prompt), limit)
+        decoder.references[row.id] = references[index]
+        outputs[row.id] = list(row.tokens)
+    while decoder.rows:
+        for row, tokens in decoder.step().items():
+            outputs[row] += tokens
+    assert list(outputs.values()) == references
+    plain = decoder.target.rolls_back_on_device  # (targets with rotating caches verify eager)
+    assert bool(calls) == (compiled and plain)
 
 
 def test_a_row_that_leaves_early_disturbs_no_other(pair):
@@ -188,3 +218,32 @@ def test_the_batch_warm_up_changes_no_token(pair):
         for row, tokens in decoder.step().items():
             outputs[row] += tokens
     assert list(outputs.values()) == references
+
+
+def test_rows_of_their_own_lengths_are_written_masked_and_cut_each_by_its_own():
+    """``RowsKVCache``: a block lands at each row's end, each row's mask is mlx-lm's causal one at
+    its own offset (with a sliding window too), and a cut lowers each row's length alone."""
+    from mlx_lm.models.base import create_causal_mask
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_dflash.batch_cache import RowsKVCache
+
+    rows = []
+    for length in (3, 7):
+        one = KVCache()
+        one.update_and_fetch(*(mx.full((1, 2, length, 4), float(length)) for _ in range(2)))
+        rows.append(RowsKVCache.joined(one))
+    rows[0].extend(rows[1])
+    cache = rows[0]
+    for window in (None, 4):
+        mask = cache.make_mask(3, window_size=window)
+        for row, offset in enumerate((3, 7)):
+            expected = create_causal_mask(3, offset, window_size=window)
+            assert mx.array_equal(mask[row, 0, :, : offset + 3], expected).item()
+            assert not mask[row, 0, :, offset + 3 :].any().item()
+    keys, _ = cache.update_and_fetch(*(mx.full((2, 2, 3, 4), -1.0) for _ in range(2)))
+    assert keys.shape[2] == 10 and cache.offset.tolist() == [6, 10]  # (read up to the longest row)
+    assert keys[0, 0, :7, 0].tolist() == [3, 3, 3, -1, -1, -1, 0] and keys[1, 0, 6:10, 0].tolist() == [7, -1, -1, -1]
+    cache.cut(mx.array([2, 0]), longest=10)
+    assert cache.offset.tolist() == [4, 10] and cache.bound == 10
+    assert cache.row(0, 4).keys[0, 0, :4, 0].tolist() == [3, 3, 3, -1]

@@ -39,7 +39,11 @@ def test_it_takes_block_attention_on_cuda_only(monkeypatch):
     assert not cuda_attention.fits(q, k, v[..., :32], None)  # values of another size
     assert not cuda_attention.fits(q, k.astype(mx.bfloat16), v.astype(mx.bfloat16), None)  # (it reads one dtype)
     assert not cuda_attention.fits(q, k, v, mx.where(visible, 0.0, -1e9))  # additive
-    assert not cuda_attention.fits(q, k, v, visible[None, None])  # [B, heads, L, S]
+    assert not cuda_attention.fits(q, k, v, mx.broadcast_to(visible, (1, 9, 16, 40)))  # [B, heads, L, S]
+    batch = [mx.concatenate([x, x]) for x in (q, k, v)]
+    rows = visible_keys(40, mx.array([24, 3]), 16)  # [B, 1, L, S]: each row its own
+    assert cuda_attention.fits(*batch, rows) and cuda_attention.fits(*batch, visible)
+    assert not cuda_attention.fits(q, k, v, rows)  # (masks of two rows for one)
     assert not cuda_attention.fits(q, k, v, visible[:1])  # [1, S]: broadcast over the queries
     assert cuda_attention.fits(*_qkv(keys=1592), None)  # 9 heads x 1,592 keys: at most 14,336
     assert not cuda_attention.fits(*_qkv(keys=1593), None)  # past it MLX's call may be the faster
@@ -63,7 +67,7 @@ def test_a_cuda_target_rebinds_attention_alone(tiny_dir, monkeypatch):
 def test_kernel_equals_mlx_attention(dtype, dim):
     """Grouped heads, blocks of 2-64 queries over a padded 256-key buffer under a verify's mask
     (stale keys past each query), "causal" and no mask; transposed queries and a sliced buffer
-    (strides, no copies); compiled too."""
+    (strides, no copies); compiled too; a batch's rows, each with its own mask or one shared."""
     tolerance = 2e-5 if dtype == mx.float32 else 2e-2
     for length, keys, offset in ((2, 256, 0), (16, 256, 100), (16, 512, 300), (64, 256, 150)):
         q, k, v = _qkv(length=length, keys=keys, dim=dim, dtype=dtype)
@@ -80,6 +84,11 @@ def test_kernel_equals_mlx_attention(dtype, dim):
                        expected, atol=tolerance, rtol=tolerance).item()
     compiled = mx.compile(lambda q, k, v, m: cuda_attention.block_attention(q, k, v, 0.1, m))
     assert mx.allclose(compiled(q, k[:, :, :200], v[:, :, :200], mask), expected, atol=tolerance, rtol=tolerance).item()
+    rows = [mx.concatenate([x, x[..., ::-1, :], -x]) for x in (q, k, v)]  # a batch of 3
+    for mask in (visible_keys(300, mx.array([0, 150, 280]), 16), visible_keys(300, mx.array(150), 16), "causal"):
+        expected = mx.fast.scaled_dot_product_attention(*rows, scale=0.1, mask=mask)
+        assert mx.allclose(cuda_attention.block_attention(*rows, 0.1, mask), expected, atol=tolerance,
+                           rtol=tolerance).item()
 
 
 @ON_CUDA

@@ -3,11 +3,10 @@ forward per cycle for all of them.
 
 Rows join (their prompt prefilled alone, then merged in) and leave between cycles. A cycle:
 draft a block for every row, verify the blocks as one [rows, block] batch, accept per row,
-roll each row back to its own accepted prefix, commit. The target's caches are mlx-lm's
-``BatchKVCache`` (``BatchRotatingKVCache`` for sliding-window layers): rows left-padded to a common end; a row that accepted fewer tokens than
-another is cut back by rolling its rejected tail round to its left padding (mlx-lm's
-``prepare(right_padding=...)`` / ``finalize``), so every row stays a left-padded sequence.
-The draft's context per layer is kept the same way (``BatchContext``).
+roll each row back to its own accepted prefix, commit. Each row keeps its own length
+in the caches (``batch_cache.py``), so rows that accepted different counts are cut back each by
+its own and the verify runs compiled where the engine's does; targets with sliding-window
+layers keep mlx-lm's left-padded batch caches (eager).
 
 Greedy decoding; one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); targets
 whose caches are all key/value caches (``BATCHED_FAMILIES``: not yet the recurrent state of
@@ -20,12 +19,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, dynamic_roll
+from mlx_lm.models.cache import KVCache
 
+from .batch_cache import BatchCache, BatchContext, RowsKVCache, cut_rows, joined, row_cache
 from .draft import DFlashDraft
 from .engine import prefill
 from .errors import DFlashError
@@ -35,56 +35,8 @@ from .prefix_cache import PrefixCache
 from .target import Target, check_compatible
 
 BATCHED_FAMILIES = {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"}  # key/value caches
-SERIAL = EngineOptions(queue_ahead=False, compile_blocks=False, pad_reads=False)  # (mlx-lm's caches, eager)
-
-
-def cut_rows(cache: Union[BatchKVCache, BatchRotatingKVCache], drop: list[int]) -> None:
-    """Drop the last ``drop[i]`` positions of row i: the common part trimmed, the rest rolled
-    round to the row's left padding (right padding made left padding, as mlx-lm's ``finalize``)."""
-    common, rest = min(drop), [d - min(drop) for d in drop]
-    if isinstance(cache, BatchRotatingKVCache):  # (after a block: in temporal order, the block at the end)
-        if common:  # cut off the buffer, or later updates would rotate the rejected keys back in
-            end = cache._idx - common
-            cache.keys, cache.values = cache.keys[..., :end, :], cache.values[..., :end, :]
-            cache._idx, cache._offset, cache.offset = end, cache._offset - common, cache.offset - common
-        if max(rest):
-            shifts = mx.array(rest)
-            cache.keys = dynamic_roll(cache.keys, shifts[:, None], axis=2)
-            cache.values = dynamic_roll(cache.values, shifts[:, None], axis=2)
-            cache.left_padding, cache.offset = cache.left_padding + shifts, cache.offset - shifts
-        return
-    if common:
-        cache.trim(common)
-    if max(rest):
-        cache.prepare(right_padding=rest)
-        cache.finalize()
-
-
-class BatchContext:
-    """One draft layer's context for a batch: the projected keys and values of every committed
-    token of every row (a ``BatchKVCache``), read through the layer's sink/window if it has one."""
-
-    def __init__(self, cache: BatchKVCache, sink: int, window: Optional[int]):
-        self.cache, self.sink, self.window = cache, sink, window
-
-    @property
-    def position(self) -> mx.array:
-        """[rows]: each row's next position (its context's length)."""
-        return self.cache.offset
-
-    def fetch(self) -> tuple[mx.array, mx.array]:
-        return self.cache.keys_and_values()
-
-    def block_mask(self, block_len: int) -> mx.array:
-        """[rows, 1, block, context + block]: a row's context from its own start (past its left
-        padding), through the sink and window if any; the block's own tokens all (non-causal)."""
-        size = self.cache.size()
-        stored = mx.arange(size)[None] - self.cache.left_padding[:, None]  # [rows, size]: the row's own index
-        visible = stored >= 0
-        if self.window is not None:
-            visible = visible & ((stored < self.sink) | (stored >= self.cache.offset[:, None] - self.window))
-        own = mx.ones((visible.shape[0], block_len), dtype=mx.bool_)
-        return mx.concatenate([visible, own], axis=1)[:, None, None, :]
+# Verifies compiled where the engine's are (GPUs: every block), read after each cycle (not queued).
+BATCH_OPTIONS = EngineOptions(queue_ahead=False)
 
 
 @dataclass
@@ -95,6 +47,7 @@ class Row:
     prompt: list[int]
     max_tokens: int
     first: int  # the next block's first token (committed, not yet in the caches)
+    length: int  # positions in the caches
     tokens: list[int] = field(default_factory=list)  # committed so far (the prefill's token first)
     reused_prompt_tokens: int = 0  # restored from the prefix cache instead of prefilled
 
@@ -109,9 +62,10 @@ class BatchDecoder:
     each committed, by row id; a row leaves when it reaches its ``max_tokens`` or on ``remove``."""
 
     def __init__(self, model: nn.Module, draft: DFlashDraft, block_size: Optional[int] = None,
-                 prefix_cache: Optional[PrefixCache] = None, policy: Optional[BlockPolicy] = None):
+                 prefix_cache: Optional[PrefixCache] = None, policy: Optional[BlockPolicy] = None,
+                 options: EngineOptions = BATCH_OPTIONS):
         check_compatible(draft, model)
-        self.target = Target(model, draft.config.target_layer_ids, SERIAL)
+        self.target = Target(model, draft.config.target_layer_ids, options)
         if self.target.family not in BATCHED_FAMILIES:
             raise DFlashError(f"batched decoding supports {', '.join(sorted(BATCHED_FAMILIES))}, "
                               f"not {self.target.family}")
@@ -133,7 +87,7 @@ class BatchDecoder:
             raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {self.block_size}")
         self.rows: dict[int, Row] = {}
         self.order: list[int] = []  # row ids in the caches' batch order
-        self.cache: list[BatchKVCache] = []
+        self.cache: list[BatchCache] = []
         self.context: list[BatchContext] = []
         self._next_id = 0
 
@@ -145,7 +99,7 @@ class BatchDecoder:
         logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
                                  prefix_cache=self.prefix_cache)
         first = int(mx.argmax(logits).item())
-        row = Row(self._next_id, prompt.tolist(), max_tokens, first, [first], reused)
+        row = Row(self._next_id, prompt.tolist(), max_tokens, first, prompt.size, [first], reused)
         self._next_id += 1
         if not row.done:
             self._join(cache, collector.caches)
@@ -173,12 +127,10 @@ class BatchDecoder:
     def _keep_prefix(self, index: int, row: Row) -> None:
         """Store row ``index``'s caches, cut to its committed tokens but the latest (not in them yet)."""
         tokens = row.prompt + row.tokens[:-1]
-        target = [c.extract(index) for c in self.cache]
-        context = [ctx.cache.extract(index) for ctx in self.context]
-        for cache in [*target, *context]:
-            extra = cache.offset - len(tokens)  # (drafts accepted past max_tokens)
-            if extra and (not cache.is_trimmable() or cache.trim(extra) != extra):
-                return
+        caches = [row_cache(c, index, len(tokens)) for c in [*self.cache, *(ctx.cache for ctx in self.context)]]
+        if any(c is None for c in caches):
+            return
+        target, context = caches[: len(self.cache)], caches[len(self.cache) :]
         self.prefix_cache.store(self.target, _ContextCollector(self.draft, context), target, tokens)
 
     def step(self) -> dict[int, list[int]]:
@@ -196,9 +148,12 @@ class BatchDecoder:
         choices_host, drafted_host = choices.tolist(), drafted.tolist()
         accepted = [_matching(d[: L - 1], c) for d, c in zip(drafted_host, choices_host)]
         # Roll back each row to its accepted prefix; its kept tokens become draft context.
+        for row_id, a in zip(self.order, accepted):
+            self.rows[row_id].length += a + 1
+        longest, memo = max(self.rows[r].length for r in self.order), {}
         for layer_cache in self.cache:
-            cut_rows(layer_cache, [L - 1 - a for a in accepted])
-        self._add_context(features, [a + 1 for a in accepted])
+            cut_rows(layer_cache, [L - 1 - a for a in accepted], longest, memo)
+        self._add_context(features, [a + 1 for a in accepted], longest)
         # Commit.
         out: dict[int, list[int]] = {}
         for row_id, a, c in zip(list(self.order), accepted, choices_host):
@@ -235,24 +190,25 @@ class BatchDecoder:
         drafted = mx.argmax(self.draft.scale_logits(self.draft_head(self.draft.norm(h)[:, 1:])), axis=-1)
         return drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
 
-    def _add_context(self, features: mx.array, kept: list[int]) -> None:
-        """The block's tapped features, of which each row keeps its first ``kept[i]``."""
+    def _add_context(self, features: mx.array, kept: list[int], longest: int) -> None:
+        """The block's tapped features, of which each row keeps its first ``kept[i]``
+        (``longest``: the longest row after it)."""
         context = self.draft.project_context(features)
-        n = features.shape[1]
+        n, memo = features.shape[1], {}
         for layer, ctx in zip(self.draft.layers, self.context):
             keys, values = layer.self_attn.context_kv(context, ctx.cache.offset)
             ctx.cache.update_and_fetch(keys, values)
-            cut_rows(ctx.cache, [n - k for k in kept])
+            cut_rows(ctx.cache, [n - k for k in kept], longest, memo)
 
     def _join(self, cache: list[Any], contexts: list[KVCache]) -> None:
-        joined = [c.merge([c]) for c in cache]  # (a batch cache of the solo cache's kind)
-        joined_context = [BatchKVCache.merge([c]) for c in contexts]
+        rows = [joined(c) for c in cache]
+        context_rows = [RowsKVCache.joined(c) for c in contexts]
         if not self.cache:
-            self.cache = joined
+            self.cache = rows
             self.context = [BatchContext(c, sink, window)
-                            for c, (sink, window) in zip(joined_context, self.draft.context_windows())]
+                            for c, (sink, window) in zip(context_rows, self.draft.context_windows())]
             return
-        for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*joined, *joined_context]):
+        for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*rows, *context_rows]):
             mine.extend(new)
 
 

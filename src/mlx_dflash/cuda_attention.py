@@ -9,7 +9,8 @@ block per (query, head, batch), its warps walking the keys with an online softma
 merged in shared memory at the end (the one-query kernel's scheme, for many queries and a mask).
 
 It takes what a block's attention passes (``mx.fast.scaled_dot_product_attention``'s
-arguments): no mask, "causal", or a boolean [queries, keys] mask; head sizes a multiple of 32
+arguments): no mask, "causal", or a boolean [queries, keys] mask (a batch's: [batch, 1, queries,
+keys], each row its own); head sizes a multiple of 32
 up to 256; any strides (no copies of the transposed queries or of a cache's sliced buffer); up
 to ``MAX_HEADS_TIMES_KEYS`` query heads x keys, where it measured faster than MLX's call.
 Anything else, and any other backend, keeps MLX's own call (``fits``).
@@ -51,7 +52,7 @@ _SOURCE = """
     for (int j = warp; j < S; j += Warps) {
       bool visible = true;
       if (MaskKind == 1) visible = j <= S - L + i;  // causal: the queries are the last L positions
-      if (MaskKind == 2) visible = mask[i * mask_strides[0] + j * mask_strides[1]];
+      if (MaskKind == 2) visible = mask[b * mask_strides[0] + i * mask_strides[1] + j * mask_strides[2]];
       if (!visible) continue;  // (the same j for the whole warp)
       float score = 0.0f;
       for (int d = 0; d < per_lane; ++d)
@@ -94,7 +95,8 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, 
     and few enough keys to be faster than MLX's call (``MAX_HEADS_TIMES_KEYS``)."""
     D = queries.shape[-1]
     if isinstance(mask, mx.array):
-        mask_ok = mask.dtype == mx.bool_ and mask.shape == (queries.shape[2], keys.shape[2])
+        L, S = queries.shape[2], keys.shape[2]
+        mask_ok = mask.dtype == mx.bool_ and mask.shape in ((L, S), (queries.shape[0], 1, L, S))
     else:
         mask_ok = mask is None or mask == "causal"
     return (on_cuda() and queries.ndim == 4 and queries.shape[2] > 1 and mask_ok
@@ -115,8 +117,8 @@ def block_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
             name="dflash_block_attention", input_names=["q", "k", "v", "mask"], output_names=["out"],
             source=_SOURCE, ensure_row_contiguous=False)
     B, n_heads, L, D = queries.shape
-    if isinstance(mask, mx.array):
-        kind, mask_input = 2, mask
+    if isinstance(mask, mx.array):  # (read as [B, L, S]: a mask shared by the batch with a stride of 0)
+        kind, mask_input = 2, mx.broadcast_to(mask.reshape(-1, L, mask.shape[-1]), (B, L, mask.shape[-1]))
     else:  # (the kernel reads no mask: any small boolean array fills its place)
         kind, mask_input = (1 if mask == "causal" else 0), _placeholder_mask()
     scale_bits = struct.unpack("<i", struct.pack("<f", scale))[0]  # (templates take ints: the float's bits)

@@ -49,10 +49,16 @@ def unsupported_cache(cache: Any) -> bool:
 PADDED_BLOCK = 64
 
 
-def visible_keys(n_keys: int, offset: mx.array, n_queries: int) -> mx.array:
-    """[n_queries, n_keys]: query i sits at ``offset + i`` and sees the keys up to itself;
-    those past it are a stale tail (rejected drafts, unused buffer)."""
-    return mx.arange(n_keys)[None] <= (offset + mx.arange(n_queries))[:, None]
+def visible_keys(n_keys: int, offset: mx.array, n_queries: int, window: Optional[int] = None) -> mx.array:
+    """[n_queries, n_keys]: query i sits at ``offset + i`` and sees the keys up to itself (within
+    the last ``window`` positions, itself included); those past it are a stale tail (rejected
+    drafts, unused buffer). Per-row offsets ([rows]): [rows, 1, n_queries, n_keys]."""
+    query = (offset[..., None] + mx.arange(n_queries))[..., None]  # [..., n_queries, 1]
+    key = mx.arange(n_keys)
+    visible = key <= query
+    if window is not None:
+        visible = visible & (key > query - window)
+    return visible if offset.ndim == 0 else visible[:, None]
 
 
 Count = Union[int, mx.array]  # a number of positions: known to the host, or still on the device
@@ -79,8 +85,12 @@ def shared_count(memo: Optional[dict], op: Callable[[Count, Count], Count], a: C
 
 
 def write_at(buffer: mx.array, new: mx.array, offset: mx.array) -> mx.array:
-    """``buffer`` with ``new`` written from position ``offset`` (a device scalar) on."""
-    return mx.slice_update(buffer, new, offset.reshape(1), axes=(2,))
+    """``buffer`` with ``new`` written from position ``offset`` (a device scalar) on; per-row
+    offsets ([rows]): each row from its own."""
+    if offset.ndim == 0:
+        return mx.slice_update(buffer, new, offset.reshape(1), axes=(2,))
+    positions = offset[:, None, None, None] + mx.arange(new.shape[2])[:, None]  # [rows, 1, n, 1]
+    return mx.put_along_axis(buffer, mx.broadcast_to(positions, new.shape), new, axis=2)
 
 
 def padded(length: int) -> int:
@@ -148,9 +158,7 @@ class DeviceKVCache(KVCache):
         fetched = self._fetched(N)
         if isinstance(self.offset, int) and self.offset == self.bound and fetched == self.bound + N:
             return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
-        if window_size is not None:
-            raise ValueError("a sliding window needs a cache of its own (RotatingKVCache)")
-        return visible_keys(fetched, self.offset, N)
+        return visible_keys(fetched, device_count(self.offset), N, window_size)
 
     def make_room(self, n: int) -> None:
         """Grow the buffers (if needed) so that ``n`` more positions fit past ``bound``."""
@@ -207,7 +215,7 @@ class BufferView:
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
         if self.ancestors is None:
-            return visible_keys(self.keys.shape[2], self.offset, N)
+            return visible_keys(self.keys.shape[2], self.offset, N, window_size)
         node = mx.arange(self.keys.shape[2]) - self.offset  # (the tree's node at each key position)
         inside = mx.take(self.ancestors, mx.clip(node, 0, N - 1), axis=1) & (node < N)
         return (node < 0)[None] | inside
