@@ -11,7 +11,8 @@ import pytest
 from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, greedy_reference, load_tiny, make_tiny_target
 
 from mlx_dflash import create_random_draft
-from mlx_dflash.batch import BATCHED_FAMILIES, BatchDecoder, batch_generate
+from mlx_dflash.draft import to_dflash2
+from mlx_dflash.batch import BatchDecoder, batch_generate
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.options import EngineOptions
 from mlx_dflash.policy import BlockPolicy
@@ -21,7 +22,7 @@ LIMITS = [20, 7, 33, 1, 26]
 BLOCK = 8
 
 
-@pytest.fixture(scope="module", params=sorted(BATCHED_FAMILIES))
+@pytest.fixture(scope="module", params=sorted(set(FAMILIES) | set(MORE_FAMILIES)))
 def pair(request, tiny_dir):
     path = make_tiny_target(tiny_dir / f"batch-{request.param}", request.param)
     model, _ = load_tiny(path)
@@ -155,14 +156,10 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair):
     assert outputs[leaving] == references[2][: len(outputs[leaving])]
 
 
-@pytest.mark.parametrize("family", sorted((set(FAMILIES) | set(MORE_FAMILIES)) - BATCHED_FAMILIES))
-def test_other_families_are_refused_with_one_line(tiny_dir, family):
-    path = make_tiny_target(tiny_dir / f"batch-refused-{family}", family)
-    model, _ = load_tiny(path)
-    config = json.loads((path / "config.json").read_text())
-    draft = create_random_draft(config, num_layers=1, block_size=BLOCK, mask_token_id=MASK_ID)
-    with pytest.raises(DFlashError, match="batched decoding supports"):
-        BatchDecoder(model, draft)
+def test_other_drafts_are_refused_with_one_line(pair):
+    model, draft, _ = pair
+    with pytest.raises(DFlashError, match="batched decoding supports v1 drafts"):
+        BatchDecoder(model, to_dflash2(draft))
 
 
 def test_a_rows_prompt_and_reply_serve_the_next_turn(pair):
@@ -194,11 +191,7 @@ def test_the_server_says_why_it_does_not_batch(pair, tiny_dir):
     assert served.batch is not None and served.unbatched is None
     assert Served(model, None, draft, "m", 2048, 64, decode_concurrency=1).unbatched == "--decode-concurrency 1"
     assert "tree" in Served(model, None, draft, "m", 2048, 64, trees=True).unbatched
-    path = make_tiny_target(tiny_dir / "batch-served-hybrid", "qwen3_5")
-    hybrid, _ = load_tiny(path)
-    hybrid_draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1,
-                                       block_size=BLOCK, mask_token_id=MASK_ID)
-    served = Served(hybrid, None, hybrid_draft, "m", 2048, 64)
+    served = Served(model, None, to_dflash2(draft), "m", 2048, 64)
     assert served.batch is None and "batched decoding supports" in served.unbatched
 
 
@@ -247,3 +240,26 @@ def test_rows_of_their_own_lengths_are_written_masked_and_cut_each_by_its_own():
     cache.cut(mx.array([2, 0]), longest=10)
     assert cache.offset.tolist() == [4, 10] and cache.bound == 10
     assert cache.row(0, 4).keys[0, 0, :4, 0].tolist() == [3, 3, 3, -1]
+
+
+@pytest.mark.parametrize("stepwise", [True, False])
+def test_hybrid_rows_rewind_each_to_its_own_prefix(tiny_dir, stepwise):
+    """A hybrid target's recurrent layers rewind each row to its own accepted prefix, in both
+    forms of the delta rule (stepwise: CUDA's default, here through mlx-lm's ops)."""
+    path = make_tiny_target(tiny_dir / f"batch-rewind-{stepwise}", "qwen3_5")
+    model, _ = load_tiny(path)
+    draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=2, block_size=BLOCK,
+                                mask_token_id=MASK_ID)
+    references = [greedy_reference(model, p, n) for p, n in zip(PROMPTS, LIMITS)]
+    decoder = PlantedDrafts(model, draft, BLOCK, references={})
+    for mixer in decoder.target._block_mixers.values():
+        mixer.stepwise = stepwise
+    outputs = {}
+    for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        row = decoder.add(mx.array(prompt), limit)
+        decoder.references[row.id] = references[index]
+        outputs[row.id] = list(row.tokens)
+    while decoder.rows:
+        for row, tokens in decoder.step().items():
+            outputs[row] += tokens
+    assert list(outputs.values()) == references

@@ -8,11 +8,10 @@ in the caches (``batch_cache.py``), so rows that accepted different counts are c
 its own and the verify runs compiled where the engine's does; targets with sliding-window
 layers keep mlx-lm's left-padded batch caches (eager).
 
-Greedy decoding; one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); targets
-whose caches are all key/value caches (``BATCHED_FAMILIES``: not yet the recurrent state of
-hybrid targets) and v1 drafts; others are
-refused with one clear line. A draft's context window limits what its passes see, not what
-the batch stores.
+Greedy decoding; one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); every
+target family the engine supports (hybrids: each row's recurrent state rewound to its own
+prefix, ``delta_rule.py``) and v1 drafts without sliding-window layers; other drafts are refused
+with one clear line. A draft's context window limits what its passes see, not what the batch stores.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from .policy import BlockPolicy
 from .prefix_cache import PrefixCache
 from .target import Target, check_compatible
 
-BATCHED_FAMILIES = {"llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"}  # key/value caches
 # Verifies compiled where the engine's are (GPUs: every block), read after each cycle (not queued).
 BATCH_OPTIONS = EngineOptions(queue_ahead=False)
 
@@ -66,9 +64,6 @@ class BatchDecoder:
                  options: EngineOptions = BATCH_OPTIONS):
         check_compatible(draft, model)
         self.target = Target(model, draft.config.target_layer_ids, options)
-        if self.target.family not in BATCHED_FAMILIES:
-            raise DFlashError(f"batched decoding supports {', '.join(sorted(BATCHED_FAMILIES))}, "
-                              f"not {self.target.family}")
         if draft.config.dflash2 is not None or any(draft.config.is_sliding(i) for i in range(len(draft.layers))):
             raise DFlashError("batched decoding supports v1 drafts without sliding-window layers")
         self.draft = draft
@@ -127,7 +122,8 @@ class BatchDecoder:
     def _keep_prefix(self, index: int, row: Row) -> None:
         """Store row ``index``'s caches, cut to its committed tokens but the latest (not in them yet)."""
         tokens = row.prompt + row.tokens[:-1]
-        caches = [row_cache(c, index, len(tokens)) for c in [*self.cache, *(ctx.cache for ctx in self.context)]]
+        caches = [row_cache(c, index, len(tokens), row.length)
+                  for c in [*self.cache, *(ctx.cache for ctx in self.context)]]
         if any(c is None for c in caches):
             return
         target, context = caches[: len(self.cache)], caches[len(self.cache) :]
@@ -150,9 +146,14 @@ class BatchDecoder:
         # Roll back each row to its accepted prefix; its kept tokens become draft context.
         for row_id, a in zip(self.order, accepted):
             self.rows[row_id].length += a + 1
-        longest, memo = max(self.rows[r].length for r in self.order), {}
-        for layer_cache in self.cache:
-            cut_rows(layer_cache, [L - 1 - a for a in accepted], longest, memo)
+        longest, drop = max(self.rows[r].length for r in self.order), [L - 1 - a for a in accepted]
+        if self.target.rolls_back_on_device:  # (each row cut by its own count on the device)
+            self.target.rollback(self.cache, mx.array(drop) if any(drop) else 0)
+            self.target.settle(self.cache, longest)
+        else:
+            memo: dict = {}
+            for layer_cache in self.cache:
+                cut_rows(layer_cache, drop, longest, memo)
         self._add_context(features, [a + 1 for a in accepted], longest)
         # Commit.
         out: dict[int, list[int]] = {}

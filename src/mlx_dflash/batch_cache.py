@@ -1,6 +1,7 @@
 """Caches of a batch whose rows accept different numbers of tokens each cycle.
 
-Two kinds, one interface for the batch (``joined``, ``extend``, ``filter``, ``row``, ``cut``):
+Two kinds, one interface for the batch (``joined``, ``extend``, ``filter``, ``row``, ``cut``),
+beside the recurrent layers of hybrid targets (mlx-lm's ``ArraysCache``, a state per row):
 
 - ``RowsKVCache``: key/value buffers in which every row keeps its own length (a device array):
   a block is written at each row's end, a mask hides each row's stale tail, and a row is cut back
@@ -20,9 +21,9 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, dynamic_roll
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, dynamic_roll
 
-from .rollback import DeviceKVCache, padded
+from .rollback import DeviceKVCache, is_recurrent, padded
 
 
 def _sized(x: mx.array, size: int) -> mx.array:
@@ -73,20 +74,23 @@ class RowsKVCache(DeviceKVCache):
         self.settle(longest)
 
 
-BatchCache = Union[RowsKVCache, BatchKVCache, BatchRotatingKVCache]
+BatchCache = Union[RowsKVCache, BatchKVCache, BatchRotatingKVCache, ArraysCache]
 
 
 def joined(cache: Any) -> BatchCache:
     """A batch of one row from a sequence's cache, of the kind that suits it."""
     if isinstance(cache, DeviceKVCache):  # (the target's plain layers: see ``Target.make_cache``)
         return RowsKVCache.joined(cache)
-    return cache.merge([cache])  # (mlx-lm's batch cache of the cache's kind)
+    return cache.merge([cache])  # (mlx-lm's batch cache of the cache's kind; a recurrent state's batch)
 
 
-def row_cache(cache: BatchCache, index: int, length: int) -> Optional[Any]:
-    """Row ``index``'s first ``length`` positions as a sequence's own cache (None: not possible)."""
+def row_cache(cache: Any, index: int, length: int, held: int) -> Optional[Any]:
+    """Row ``index``'s first ``length`` positions as a sequence's own cache, the row holding
+    ``held`` (None: not possible: a recurrent state holds them all)."""
     if isinstance(cache, RowsKVCache):
         return cache.row(index, length)
+    if is_recurrent(cache):
+        return cache.extract(index) if held == length else None
     one = cache.extract(index)
     extra = one.offset - length  # (drafts accepted past a row's max_tokens)
     if extra and (not one.is_trimmable() or one.trim(extra) != extra):

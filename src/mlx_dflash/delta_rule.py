@@ -36,6 +36,7 @@ chunked form: docs/performance.md.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any, Optional, Union
 
 import mlx.core as mx
@@ -169,22 +170,28 @@ def chunk_delta_rule(q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, bet
 
 def state_after(chunk: tuple, n: Union[int, mx.array], last_index: Union[None, int, mx.array] = None) -> mx.array:
     """The recurrent state after the first ``n`` tokens of a ``chunk_delta_rule`` call
-    (``n`` may be a count on the device, at least 1: the tokens past it get weight 0;
-    ``last_index``: ``n - 1``, where the caller has it)."""
+    (``n`` may be a count on the device, at least 1: the tokens past it get weight 0; or one
+    count per row of the batch, [B]; ``last_index``: ``n - 1``, where the caller has it)."""
     state, k, d, log_G = chunk
     if isinstance(n, int) and n == 0:
         return state
     last_index = n - 1 if last_index is None else last_index
-    at = last_index.reshape(1) if isinstance(last_index, mx.array) else mx.array([last_index])
-    last = mx.take(log_G, at, axis=-1)  # log G_n
-    kept = mx.arange(log_G.shape[-1]) < n
+    if isinstance(n, mx.array) and n.ndim == 1:  # each row its own prefix
+        last = mx.take_along_axis(log_G, last_index[:, None, None], axis=-1)
+        kept = mx.arange(log_G.shape[-1]) < n[:, None, None]
+    else:
+        at = last_index.reshape(1) if isinstance(last_index, mx.array) else mx.array([last_index])
+        last = mx.take(log_G, at, axis=-1)  # log G_n
+        kept = mx.arange(log_G.shape[-1]) < n
     weights = mx.where(kept, mx.exp(last - log_G), 0.0)[..., None]  # G_n / G_i for i <= n
     return mx.exp(last)[..., None] * state + (d * weights).swapaxes(-1, -2) @ k
 
 
 class BlockDeltaMixer(nn.Module):
     """A Gated DeltaNet token mixer (one instance) that runs short inputs as one block and can
-    rewind its cache to any prefix of the latest such call.
+    rewind its cache to any prefix of the latest such call (each row of a batch to its own).
+    What a rewind needs is kept per cache, so that sequences decoded in turns (a batch and a
+    sequence beside it) never take each other's.
 
     Two forms of the same recurrence: ``stepwise`` (the default on CUDA: one kernel launch for the
     block, which also writes the state after each token, and a rewind reads one) and chunked (the
@@ -194,10 +201,10 @@ class BlockDeltaMixer(nn.Module):
         super().__init__()
         self.mixer = mixer
         self.stepwise = on_cuda() if stepwise is None else stepwise
-        self._before: Optional[list] = None  # the cache's arrays before the latest call
-        # of the latest block: its conv window + inputs, then what gives the state after any prefix
-        # (stepwise: the states after each token; chunked: ``chunk_delta_rule``'s chunk)
-        self._latest: Optional[tuple[mx.array, ...]] = None
+        # per cache: (its arrays before the latest call, and of the latest block: its conv window +
+        # inputs, then what gives the state after any prefix (stepwise: the states after each
+        # token; chunked: ``chunk_delta_rule``'s chunk), or None)
+        self._calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _projections(self, inputs: mx.array) -> tuple[mx.array, ...]:
         """(q|k|v before the conv [B, S, conv_dim], z [B, S, Hv, Dv], b, a [B, S, Hv])."""
@@ -219,8 +226,8 @@ class BlockDeltaMixer(nn.Module):
         metal_prompt = S > MAX_BLOCK and on_apple_gpu()
         plain = (S == 1 or metal_prompt or mask is not None or cache is None or cache.lengths is not None
                  or cache.left_padding is not None)
-        self._before = None if cache is None else list(cache.cache)  # mlx arrays are immutable
-        self._latest = None
+        if cache is not None:
+            self._calls[cache] = (list(cache.cache), None)  # (mlx arrays are immutable)
         if plain:
             return m(inputs, mask, cache)
         qkv, z, b, a = self._projections(inputs)
@@ -241,7 +248,7 @@ class BlockDeltaMixer(nn.Module):
         else:
             y, cache[1], prefix_states = self._chunked(q, k, v, g, beta, state)
         if S <= MAX_BLOCK:  # a block: keep what rewinding to any prefix needs
-            self._latest = (conv_input, *prefix_states)
+            self._calls[cache] = (self._calls[cache][0], (conv_input, *prefix_states))
         out = m.out_proj(m.norm(y.astype(inputs.dtype), z).reshape(B, S, -1))
         group = getattr(m, "sharding_group", None)  # sharded over processes: each holds some heads
         return out if group is None else mx.distributed.all_sum(out, group=group)
@@ -262,36 +269,43 @@ class BlockDeltaMixer(nn.Module):
         y = mx.concatenate(ys, axis=2) if len(ys) > 1 else ys[0]
         return y.swapaxes(1, 2), state, chunk
 
-    def block_arrays(self) -> list[mx.array]:
-        """What the latest block keeps for a rewind: a compiled block forward returns these
-        (``Target``), and hands the real ones back with ``took_block``."""
-        return list(self._latest) if self._latest is not None else []
+    def block_arrays(self, cache: Any) -> list[mx.array]:
+        """What the latest block over ``cache`` keeps for a rewind: a compiled block forward
+        returns these (``Target``), and hands the real ones back with ``took_block``."""
+        latest = self._calls[cache][1]
+        return list(latest) if latest is not None else []
 
-    def took_block(self, before: list, latest: list[mx.array]) -> None:
-        """Outside a trace: the cache's arrays before a compiled block and its ``block_arrays``."""
-        self._before, self._latest = before, tuple(latest)
+    def took_block(self, cache: Any, before: list, latest: list[mx.array]) -> None:
+        """Outside a trace: ``cache``'s arrays before a compiled block and its ``block_arrays``."""
+        self._calls[cache] = (before, tuple(latest))
 
     def rewind(self, cache: Any, keep: Union[int, mx.array], memo: Optional[dict] = None) -> None:
         """Set ``cache`` to its state after the first ``keep`` tokens of the latest call (any
         prefix of a block; of other calls, none of it). ``keep`` may be a count still on the
         device (at least 1): nothing here needs its value on the host. ``memo`` (one per rollback
         of all layers): the layers' rewinds share the index arithmetic on ``keep``, which on a
-        GPU is a kernel launch per op (24 layers at Qwen3.5-9B's shape)."""
-        if isinstance(keep, int) and keep == 0 and self._before is not None:
-            cache.cache = list(self._before)
-        elif self._latest is not None:
-            conv_input, *prefix_states = self._latest
+        GPU is a kernel launch per op (24 layers at Qwen3.5-9B's shape). ``keep`` [B]: each row
+        of the batch to its own prefix."""
+        before, latest = self._calls.pop(cache, (None, None))
+        if isinstance(keep, int) and keep == 0 and before is not None:
+            cache.cache = list(before)
+        elif latest is not None:
+            conv_input, *prefix_states = latest
             rows, last = _prefix_indices(keep, self.mixer.conv_kernel_size - 1, {} if memo is None else memo)
-            cache[0] = mx.take(conv_input, rows, axis=1)
-            cache[1] = mx.take(prefix_states[0], last, axis=0) if self.stepwise else state_after(prefix_states, keep, last)
+            if rows.ndim == 1:
+                cache[0] = mx.take(conv_input, rows, axis=1)
+                cache[1] = mx.take(prefix_states[0], last, axis=0) if self.stepwise else state_after(prefix_states, keep, last)
+            else:  # (a batch's rows, each to its own prefix)
+                cache[0] = mx.take_along_axis(conv_input, rows[..., None], axis=1)
+                cache[1] = (mx.take_along_axis(prefix_states[0], last.reshape(1, -1, 1, 1, 1), axis=0)[0] if self.stepwise
+                            else state_after(prefix_states, keep, last))
         else:
             raise RuntimeError("a recurrent cache can roll back its latest call, once; part of it only after a block")
-        self._before = self._latest = None
 
 
 def _prefix_indices(keep: Count, window: int, memo: dict) -> tuple[mx.array, Count]:
     """(the conv window's rows, the last kept token's index) of a prefix of ``keep`` tokens,
     made once per ``memo`` (the index by ``rollback.shared_count``, as the offsets are cut)."""
     if ("rows", window) not in memo:
-        memo["rows", window] = keep + mx.arange(window)
+        memo["rows", window] = (keep[:, None] if isinstance(keep, mx.array) and keep.ndim == 1 else keep) + mx.arange(window)
     return memo["rows", window], shared_count(memo, operator.sub, keep, 1)

@@ -279,7 +279,7 @@ class Target:
                 with projections.installed():
                     logits, features = self._forward(tokens, views, block=True, within=within)
                 return (logits, features, *(x for view in views for x in cache_arrays(view)),
-                        *(x for mixer in mixers.values() for x in mixer.block_arrays()))
+                        *(x for i, mixer in mixers.items() for x in mixer.block_arrays(views[i])))
             self.recorder.block_forwards[key] = mx.compile(forward)
         n = tokens.shape[1]
         attention = [c for c in cache if isinstance(c, DeviceKVCache)]
@@ -294,7 +294,7 @@ class Target:
         end = start + n  # an int stays an int: the host keeps knowing the exact length
         for i, (layer_cache, a, b) in enumerate(zip(cache, layer_arrays[::2], layer_arrays[1::2])):
             if i in mixers:  # (in layer order, as the forward returned their arrays)
-                mixers[i].took_block(list(layer_cache.cache), [next(kept) for _ in range(per_mixer)])
+                mixers[i].took_block(layer_cache, list(layer_cache.cache), [next(kept) for _ in range(per_mixer)])
                 layer_cache.cache = [a, b]
             else:
                 layer_cache.wrote(a, b, n, end)
