@@ -53,6 +53,19 @@ class PlantedDrafts(BatchDecoder):
         return mx.array(rows, dtype=mx.uint32).reshape(len(rows), L - 1)
 
 
+def decode_planted(decoder: PlantedDrafts, references: list) -> list:
+    """Every prompt's tokens, all rows joining before the first cycle, each row's drafts planted."""
+    outputs = {}
+    for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        row = decoder.add(mx.array(prompt), limit)
+        decoder.references[row.id] = references[index]
+        outputs[row.id] = list(row.tokens)
+    while decoder.rows:
+        for row, tokens in decoder.step().items():
+            outputs[row] += tokens
+    return list(outputs.values())
+
+
 def test_batch_equals_each_prompt_alone(pair):
     model, draft, references = pair
     assert batch_generate(model, PROMPTS, draft, LIMITS) == references
@@ -124,15 +137,7 @@ def test_compiled_and_eager_verifies_equal_each_prompt_alone(pair, compiled):
                             references={})
     calls, compiled_block = [], decoder.target._compiled_block
     decoder.target._compiled_block = lambda *args: calls.append(args) or compiled_block(*args)
-    outputs = {}
-    for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
-        row = decoder.add(mx.array(prompt), limit)
-        decoder.references[row.id] = references[index]
-        outputs[row.id] = list(row.tokens)
-    while decoder.rows:
-        for row, tokens in decoder.step().items():
-            outputs[row] += tokens
-    assert list(outputs.values()) == references
+    assert decode_planted(decoder, references) == references
     plain = decoder.target.rolls_back_on_device  # (targets with rotating caches verify eager)
     assert bool(calls) == (compiled and plain)
 
@@ -254,12 +259,4 @@ def test_hybrid_rows_rewind_each_to_its_own_prefix(tiny_dir, stepwise):
     decoder = PlantedDrafts(model, draft, BLOCK, references={})
     for mixer in decoder.target._block_mixers.values():
         mixer.stepwise = stepwise
-    outputs = {}
-    for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
-        row = decoder.add(mx.array(prompt), limit)
-        decoder.references[row.id] = references[index]
-        outputs[row.id] = list(row.tokens)
-    while decoder.rows:
-        for row, tokens in decoder.step().items():
-            outputs[row] += tokens
-    assert list(outputs.values()) == references
+    assert decode_planted(decoder, references) == references
