@@ -40,7 +40,7 @@ class PlantedDrafts(BatchDecoder):
         super().__init__(*args)
         self.references, self.rng, self.accepted = references, random.Random(seed), []
 
-    def _draft(self, first: mx.array, L: int) -> mx.array:
+    def _draft(self, first: mx.array, L: int) -> tuple[mx.array, dict]:
         super()._draft(first, L)
         rows = []
         for row_id in self.order:
@@ -50,7 +50,7 @@ class PlantedDrafts(BatchDecoder):
             if wrong < L - 1:
                 slots[wrong] = (slots[wrong] + 1) % 200
             rows.append(slots)
-        return mx.array(rows, dtype=mx.uint32).reshape(len(rows), L - 1)
+        return mx.array(rows, dtype=mx.uint32).reshape(len(rows), L - 1), {}
 
 
 def decode_planted(decoder: PlantedDrafts, references: list) -> list:

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
-from tiny_models import load_tiny, make_tiny_target
+from tiny_models import greedy_reference, load_tiny, make_tiny_target
 
 import mlx_dflash.sampling as sampling_module
 from mlx_dflash import create_random_draft, generate
+from mlx_dflash.batch import BatchDecoder
 from mlx_dflash.engine import decode_cycles
 from mlx_dflash.options import EngineOptions
 from mlx_dflash.proposer import DFlashProposer
@@ -131,6 +132,32 @@ def test_emitted_distribution_with_trees(setup, params):
     for observed, expected in ((counts[0], p2), (counts[1], p3)):
         stat, dof = chi_square(observed, expected)
         assert stat < chi_square_bound(dof), (stat, dof)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_k=10, top_p=0.95)],
+                         ids=["temp1", "temp0.7-topk-topp"])
+def test_emitted_distribution_in_a_batch(setup, params):
+    """Sampled rows of a batch (``BatchDecoder``), beside a greedy row: each row's tokens are
+    distributed as the target's own sampling; the greedy row's are its greedy ones."""
+    model, _, draft, prompt = setup
+    p2, p3 = exact_marginals(model, prompt, params)
+    decoder = BatchDecoder(model, draft, 4)
+    mx.random.seed(1234)
+    counts, greedy_outputs = np.zeros((2, VOCAB)), set()
+    for _ in range(SAMPLES // 8):
+        rows = [decoder.add(mx.array(prompt), 3, params) for _ in range(8)] + [decoder.add(mx.array(prompt), 3)]
+        outputs = {row.id: list(row.tokens) for row in rows}
+        while decoder.rows:
+            for row, tokens in decoder.step().items():
+                outputs[row] += tokens
+        for row in rows[:-1]:
+            counts[0, outputs[row.id][1]] += 1
+            counts[1, outputs[row.id][2]] += 1
+        greedy_outputs.add(tuple(outputs[rows[-1].id]))
+    for observed, expected in ((counts[0], p2), (counts[1], p3)):
+        stat, dof = chi_square(observed, expected)
+        assert stat < chi_square_bound(dof), (stat, dof)
+    assert greedy_outputs == {tuple(greedy_reference(model, prompt, 3))}
 
 
 def test_the_check_catches_a_wrong_tree_walk(setup, monkeypatch):

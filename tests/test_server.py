@@ -205,9 +205,9 @@ def test_concurrent_clients_all_get_generate_text(server):
 
 
 def test_load_64_requests_from_16_clients(server):
-    """Mixed lengths, streaming and not, greedy (batched) and sampled (one at a time), and a
-    client that leaves mid-stream: every request completes, each greedy reply equals its solo
-    generation, and the server still reports itself healthy with an empty batch."""
+    """Mixed lengths, streaming and not, greedy and sampled (batched; seeded ones one at a time),
+    and a client that leaves mid-stream: every request completes, each greedy reply equals its
+    solo generation, and the server still reports itself healthy with an empty batch."""
     base, model, tokenizer, draft = server
     jobs = [([{"role": "user", "content": f"request {i}: " + "tell me more " * (i % 5)}], 4 + 7 * (i % 4), i % 4 == 3,
              i % 2 == 0) for i in range(64)]  # (messages, max_tokens, sampled, streamed)
@@ -216,7 +216,7 @@ def test_load_64_requests_from_16_clients(server):
 
     def ask(i):
         messages, max_tokens, sampled, streamed = jobs[i]
-        extra = {"temperature": 0.8, "seed": i} if sampled else {}
+        extra = ({"temperature": 0.8, "seed": i} if i % 8 == 3 else {"temperature": 0.8, "top_p": 0.9}) if sampled else {}
         if not streamed:
             reply = client(base).chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens, **extra)
             return reply.choices[0].message.content, reply.choices[0].finish_reason
@@ -252,10 +252,10 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
     served = Served(model, tokenizer, draft, NAME, CONTEXT, 1800)
 
     class FailingPrefill(BatchDecoder):
-        def add(self, prompt, max_tokens):
+        def add(self, prompt, max_tokens, params=None):
             if max_tokens == 13:
                 raise RuntimeError("out of memory")
-            return super().add(prompt, max_tokens)
+            return super().add(prompt, max_tokens, params)
 
     served.batch = FailingPrefill(model, draft, prefix_cache=served.prefix_cache)
     port = free_port()

@@ -8,7 +8,8 @@ in the caches (``batch_cache.py``), so rows that accepted different counts are c
 its own and the verify runs compiled where the engine's does; targets with sliding-window
 layers keep mlx-lm's left-padded batch caches (eager).
 
-Greedy decoding; one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); every
+Greedy rows and sampled ones (temperature, top-p, top-k, min-p; lossless speculative sampling
+per row, ``sampling.py``); one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); every
 target family the engine supports (hybrids: each row's recurrent state rewound to its own
 prefix, ``delta_rule.py``) and v1 drafts without sliding-window layers; other drafts are refused
 with one clear line. A draft's context window limits what its passes see, not what the batch stores.
@@ -30,6 +31,7 @@ from .engine import prefill
 from .errors import DFlashError
 from .options import EngineOptions
 from .policy import BlockPolicy
+from .sampling import SamplingParams, first_token, sample, verify
 from .prefix_cache import PrefixCache
 from .target import Target, check_compatible
 
@@ -48,6 +50,7 @@ class Row:
     length: int  # positions in the caches
     tokens: list[int] = field(default_factory=list)  # committed so far (the prefill's token first)
     reused_prompt_tokens: int = 0  # restored from the prefix cache instead of prefilled
+    params: Optional[SamplingParams] = None  # how it samples (None: greedy)
 
     @property
     def done(self) -> bool:
@@ -86,15 +89,20 @@ class BatchDecoder:
         self.context: list[BatchContext] = []
         self._next_id = 0
 
-    def add(self, prompt: mx.array, max_tokens: int) -> Row:
+    def add(self, prompt: mx.array, max_tokens: int, params: Optional[SamplingParams] = None) -> Row:
         """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
-        the prefill's token, its first output, is all it asked for)."""
+        the prefill's token, its first output, is all it asked for); ``params``: how the row
+        samples (None or temperature 0: greedy)."""
+        params = None if params is None or params.greedy else params
+        if params is not None and (params.logits_processors or params.accept != "speculative" or params.seed is not None):
+            raise DFlashError("a batch's rows sample with temperature, top_p, top_k and min_p only: seeded "
+                              "requests, logits processors and match acceptance run alone")
         collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()
         logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
                                  prefix_cache=self.prefix_cache)
-        first = int(mx.argmax(logits).item())
-        row = Row(self._next_id, prompt.tolist(), max_tokens, first, prompt.size, [first], reused)
+        first = int(first_token(params, logits[None], prompt).item())
+        row = Row(self._next_id, prompt.tolist(), max_tokens, first, prompt.size, [first], reused, params)
         self._next_id += 1
         if not row.done:
             self._join(cache, collector.caches)
@@ -136,13 +144,12 @@ class BatchDecoder:
         tic = time.perf_counter()
         L, forecast = self._size(max(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order))
         first = mx.array([self.rows[r].first for r in self.order], dtype=mx.uint32)
-        drafted = self._draft(first, self.block_size if forecast else L)  # [rows, L - 1] (a forecast's: more)
+        drafted, q = self._draft(first, self.block_size if forecast else L)  # [rows, L - 1] (a forecast's: more)
         block = mx.concatenate([first[:, None], drafted[:, : L - 1]], axis=1)
         logits, features = self.target(block, self.cache)
-        choices = mx.argmax(logits, axis=-1)  # [rows, L]
-        # Accept: the cycle's one device-to-host read.
-        choices_host, drafted_host = choices.tolist(), drafted.tolist()
-        accepted = [_matching(d[: L - 1], c) for d, c in zip(drafted_host, choices_host)]
+        choices, accepted = self._accept(logits, block, drafted[:, : L - 1], q)
+        # The cycle's one device-to-host read.
+        choices_host, accepted = choices.tolist(), accepted.tolist()
         # Roll back each row to its accepted prefix; its kept tokens become draft context.
         for row_id, a in zip(self.order, accepted):
             self.rows[row_id].length += a + 1
@@ -164,7 +171,7 @@ class BatchDecoder:
             row.first = c[a]
             out[row_id] = committed
         if self.policy is not None:  # (acceptance as the first row saw it; the whole batch's cost)
-            guess = drafted_host[0] if forecast else None
+            guess = drafted[0].tolist() if forecast else None
             self.policy.record_cycle(L, out[self.order[0]], time.perf_counter() - tic, guess)
         for row_id in [r for r in self.order if self.rows[r].done]:
             self.remove(row_id)
@@ -176,10 +183,28 @@ class BatchDecoder:
             return min(self.block_size, wanted + 1), False
         return self.policy.choose(limit=wanted + 1, trees=False), self.policy.wants_forecast
 
-    def _draft(self, first: mx.array, L: int) -> mx.array:
-        """Greedy drafts [rows, L - 1] for the slots after each row's ``first`` (one draft pass)."""
+    def _accept(self, logits: mx.array, block: mx.array, drafted: mx.array, q: dict[int, mx.array]
+                ) -> tuple[mx.array, mx.array]:
+        """(the target's choice after each slot [rows, L], accepted drafts [rows]): a greedy row
+        keeps the drafts equal to the target's argmax; a sampled row accepts by speculative
+        sampling against its drafts' distribution ``q``, its bonus token drawn as the engine's."""
+        choices = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        accepted = mx.cumprod((drafted == choices[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
+        for i, row_id in enumerate(self.order):
+            params = self.rows[row_id].params
+            if params is not None:
+                n = drafted.shape[1]
+                tokens, a = verify(params, logits[i], None, block[i], drafted[i], q[i][:n] if n else None)
+                choices[i : i + 1] = tokens.astype(mx.uint32)[None]
+                accepted[i : i + 1] = a.astype(mx.int32)
+        return choices, accepted
+
+    def _draft(self, first: mx.array, L: int) -> tuple[mx.array, dict[int, mx.array]]:
+        """Drafts [rows, L - 1] for the slots after each row's ``first`` (one draft pass): greedy,
+        or for a sampled row drawn from the draft's distributions, returned too by row index
+        (``q[i]``: [L - 1, V], over the whole vocabulary, as lossless sampling needs)."""
         if L == 1:
-            return mx.zeros((first.size, 0), dtype=mx.uint32)
+            return mx.zeros((first.size, 0), dtype=mx.uint32), {}
         block = mx.concatenate([first[:, None], mx.full((first.size, L - 1), self.mask_id, dtype=mx.uint32)], axis=1)
         h = self.draft.scale_embeddings(self.target.embed(block))
         masks: dict = {}  # per kind of layer (sink and window): their contexts move in step
@@ -188,8 +213,16 @@ class BatchDecoder:
             if kind not in masks:
                 masks[kind] = context.block_mask(L)
             h = layer(h, context, masks[kind])
-        drafted = mx.argmax(self.draft.scale_logits(self.draft_head(self.draft.norm(h)[:, 1:])), axis=-1)
-        return drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
+        hidden = self.draft.norm(h)[:, 1:]
+        drafted = mx.argmax(self.draft.scale_logits(self.draft_head(hidden)), axis=-1)
+        drafted = drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
+        q = {}
+        for i, row_id in enumerate(self.order):
+            params = self.rows[row_id].params
+            if params is not None:
+                q[i] = params.probabilities(self.draft.scale_logits(self.target.head(hidden[i])))
+                drafted[i : i + 1] = sample(q[i])[None]
+        return drafted, q
 
     def _add_context(self, features: mx.array, kept: list[int], longest: int) -> None:
         """The block's tapped features, of which each row keeps its first ``kept[i]``
@@ -211,14 +244,6 @@ class BatchDecoder:
             return
         for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*rows, *context_rows]):
             mine.extend(new)
-
-
-def _matching(drafted: list[int], choices: list[int]) -> int:
-    """How many drafted tokens equal the target's choice at the slot before them."""
-    a = 0
-    while a < len(drafted) and drafted[a] == choices[a]:
-        a += 1
-    return a
 
 
 class _ContextCollector:

@@ -1,11 +1,11 @@
-"""The server's batch: greedy requests decoded together (continuous batching, ``batch.py``).
+"""The server's batch: requests decoded together (continuous batching, ``batch.py``).
 
 Requests wait in ``pending``; before each cycle the worker merges them into the batch (each
 prompt prefilled alone) and drops the rows whose client went away or whose text ended (EOS or
 a stop string: the decoder itself only knows ``max_tokens``), then runs one cycle for all rows
 and hands each request its committed tokens. Every model call runs under the server's lock,
-one cycle at a time, so a generation outside the batch (sampling, or a request that came alone)
-runs its cycles between the batch's.
+one cycle at a time, so a generation outside the batch (a seeded request, or one that came
+alone) runs its cycles between the batch's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .batch import BatchDecoder
 from .generate import StreamResponse, TextStream
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -27,6 +28,7 @@ class BatchRequest:
     prompt: list[int]
     max_tokens: int
     text: TextStream
+    sampling: Optional[SamplingParams] = None  # None: greedy
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)  # committed tokens per cycle; None: the end
     row: Optional[int] = None
     reused_prompt_tokens: int = 0
@@ -102,7 +104,7 @@ class BatchWorker:
             if request.leaving:
                 continue
             try:
-                row = self.decoder.add(mx.array(request.prompt, dtype=mx.uint32), request.max_tokens)
+                row = self.decoder.add(mx.array(request.prompt, dtype=mx.uint32), request.max_tokens, request.sampling)
             except Exception as exc:  # (its prefill failed: it fails alone, the batch goes on)
                 send(request, exc)
                 continue

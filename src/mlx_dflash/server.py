@@ -287,13 +287,15 @@ def create_app(served: Served) -> FastAPI:
     solo = asyncio.Lock()  # one generation outside the batch at a time
 
     async def run(job: Job, request: Request) -> AsyncIterator:
-        """Responses of one generation; stops when the client goes away. A greedy request joins
-        the batch where there is one, unless it is the only request: then it runs alone, on the
-        single-sequence engine (queued cycles, compiled blocks), as sampled requests do."""
-        if worker is not None and job.sampling is None and (worker.busy or solo.locked()):
+        """Responses of one generation; stops when the client goes away. A request joins the
+        batch where there is one, unless it is the only request (then it runs alone, on the
+        single-sequence engine: queued cycles, compiled blocks) or it has a seed (its draws
+        would interleave with other rows': it runs alone, to be reproducible)."""
+        seeded = job.sampling is not None and job.sampling.seed is not None
+        if worker is not None and not seeded and (worker.busy or solo.locked()):
             text = TextStream(served.tokenizer, mx.array(job.prompt), job.max_tokens, job.stop, not job.chat)
             try:
-                async for response in worker.stream(BatchRequest(job.prompt, job.max_tokens, text),
+                async for response in worker.stream(BatchRequest(job.prompt, job.max_tokens, text, job.sampling),
                                                     request.is_disconnected):
                     yield response
             finally:
