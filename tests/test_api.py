@@ -55,3 +55,25 @@ def test_prefill_progress_is_reported_chunk_by_chunk(files):
     result = generate(model, tokenizer, prompt, loaded, max_tokens=4, prompt_progress=lambda *a: seen.append(a),
                       options=mlx_dflash.EngineOptions(prefill_step=16))
     assert seen == [(16, 57), (32, 57), (48, 57), (56, 57)] and len(result.tokens) == 4
+
+
+def test_sampling_in_worker_threads_lets_the_process_exit_cleanly():
+    """As the server samples: in worker threads, seeded or not. Each generation draws from its
+    own keys (``sampling.Draws``); MLX's global random state, used from such threads, aborted
+    the process at exit ("terminate called")."""
+    import subprocess
+    import sys
+
+    code = ("from concurrent.futures import ThreadPoolExecutor\n"
+            "import mlx.core as mx\n"
+            "from mlx_dflash.sampling import SamplingParams, first_token, verify\n"
+            "def draw(i):\n"
+            "    params = SamplingParams(temp=1.0, seed=i if i % 2 else None).drawing()\n"
+            "    logits = mx.random.normal((4, 16), key=mx.random.key(i))\n"
+            "    first_token(params, logits[:1], mx.array([1]))\n"
+            "    q = mx.softmax(logits[:3], axis=-1)\n"
+            "    return verify(params, logits, None, mx.array([1, 2, 3, 4]), mx.array([2, 3, 4]), q)[1].item()\n"
+            "print(sum(ThreadPoolExecutor(16).map(draw, range(64))))\n")
+    for _ in range(3):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]

@@ -212,7 +212,8 @@ def test_a_sampled_walk_draws_from_the_q_it_reports():
     selector = CandidateSelector(8, 20, 4)
     selector.successor_codebook = mx.array(rng.normal(size=(20, 4)), mx.float32)
     logits = mx.array(rng.normal(size=(3, 20)), mx.float32)
-    drafted, q = selector.walk(mx.array(rng.normal(size=(3, 8)), mx.float32), logits, mx.array([1]), 5, None, 0.8)
+    drafted, q = selector.walk(mx.array(rng.normal(size=(3, 8)), mx.float32), logits, mx.array([1]), 5, None, 0.8,
+                               mx.random.key(0))
     q = np.array(q)
     assert np.allclose(q.sum(axis=1), 1.0, atol=1e-5) and ((q > 0).sum(axis=1) == 5).all()
     assert all(q[t, d] > 0 for t, d in enumerate(np.array(drafted)))

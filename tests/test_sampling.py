@@ -3,6 +3,7 @@ exactly, its randomness enumerated; whole generations are checked statistically 
 
 import json
 import math
+import random
 
 import mlx.core as mx
 import numpy as np
@@ -67,7 +68,7 @@ def exact_marginals(model, prompt, params):
 def sampled_marginals(model, draft, prompt, params, options=EngineOptions(), tree_budget=None):
     target = Target(model, draft.config.target_layer_ids, options)
     proposer = DFlashProposer(draft)
-    mx.random.seed(1234)
+    random.seed(1234)  # (the generations' own streams start from Python's random)
     counts = np.zeros((2, VOCAB))
     for _ in range(SAMPLES):
         cycles = decode_cycles(target, proposer, mx.array(prompt), 4, 4, params, tree_budget=tree_budget)
@@ -142,7 +143,7 @@ def test_emitted_distribution_in_a_batch(setup, params):
     model, _, draft, prompt = setup
     p2, p3 = exact_marginals(model, prompt, params)
     decoder = BatchDecoder(model, draft, 4)
-    mx.random.seed(1234)
+    random.seed(1234)  # (the generations' own streams start from Python's random)
     counts, greedy_outputs = np.zeros((2, VOCAB)), set()
     for _ in range(SAMPLES // 8):
         rows = [decoder.add(mx.array(prompt), 3, params) for _ in range(8)] + [decoder.add(mx.array(prompt), 3)]
@@ -183,12 +184,13 @@ def test_the_check_catches_a_wrong_acceptance_rule(setup, monkeypatch):
     """Accepting with min(1, q/p) instead of min(1, p/q) must fail the same test."""
     model, _, draft, prompt = setup
 
-    def inverted(p, q, drafted):  # noqa: the rule under test, deliberately wrong
+    def inverted(p, q, drafted, key):  # the rule under test, deliberately wrong
         n = drafted.shape[0]
         p_d, q_d = p[mx.arange(n), drafted], q[mx.arange(n), drafted]
-        keep = mx.random.uniform(shape=(n,)) * p_d < q_d
+        uniform_key, bonus_key = mx.random.split(key)
+        keep = mx.random.uniform(shape=(n,), key=uniform_key) * p_d < q_d
         a = mx.cumprod(keep.astype(mx.int32)).sum(keepdims=True)
-        bonus = mx.random.categorical(mx.log(p)).astype(mx.uint32)
+        bonus = mx.random.categorical(mx.log(p), key=bonus_key).astype(mx.uint32)
         return mx.where(mx.arange(n + 1) == a, bonus, mx.concatenate([drafted, bonus[:1]])), a
 
     monkeypatch.setattr(sampling_module, "speculative_accept", inverted)
@@ -205,7 +207,7 @@ def emitted_by_enumeration(p: np.ndarray, q: np.ndarray, rule, monkeypatch, grid
     its probability q, the uniform draw over a grid of ``grid`` points, and the residual draw
     replaced by the distribution it draws from."""
     drawn = []
-    monkeypatch.setattr(sampling_module, "sample", lambda probs: drawn.append(np.array(probs)) or mx.zeros(
+    monkeypatch.setattr(sampling_module, "sample", lambda probs, key: drawn.append(np.array(probs)) or mx.zeros(
         probs.shape[:1], mx.uint32))
     u = mx.array((np.arange(grid) + 0.5) / grid, dtype=mx.float32)
     emitted = np.zeros(p.shape[1])
@@ -213,7 +215,7 @@ def emitted_by_enumeration(p: np.ndarray, q: np.ndarray, rule, monkeypatch, grid
         accepted = 0
         for i in range(grid):
             drawn.clear()
-            _, a = rule(mx.array(p), mx.array(q), mx.array([d], dtype=mx.uint32), u[i : i + 1])
+            _, a = rule(mx.array(p), mx.array(q), mx.array([d], dtype=mx.uint32), mx.random.key(0), u[i : i + 1])
             accepted += int(a.item())
         keep = accepted / grid
         emitted[d] += q[0, d] * keep
@@ -232,10 +234,10 @@ def test_accept_rule_is_exact_by_enumeration(monkeypatch):
             emitted = emitted_by_enumeration(p, q, sampling_module.speculative_accept, patch, grid=400)
         assert np.abs(emitted - p[0]).max() < 2 / 400, (emitted, p[0])
 
-    def inverted(p, q, drafted, uniform):  # accept with min(1, q/p): wrong
+    def inverted(p, q, drafted, key, uniform):  # accept with min(1, q/p): wrong
         keep = uniform * p[0, drafted] < q[0, drafted]
         a = keep.astype(mx.int32).sum(keepdims=True)
-        return sampling_module.sample(mx.concatenate([p[:1], p[1:]])), a
+        return sampling_module.sample(mx.concatenate([p[:1], p[1:]]), key), a
     with monkeypatch.context() as patch:
         emitted = emitted_by_enumeration(p, q, inverted, patch, grid=400)
     assert np.abs(emitted - p[0]).max() > 0.02

@@ -207,7 +207,8 @@ def test_concurrent_clients_all_get_generate_text(server):
 def test_load_64_requests_from_16_clients(server):
     """Mixed lengths, streaming and not, greedy and sampled (batched; seeded ones one at a time),
     and a client that leaves mid-stream: every request completes, each greedy reply equals its
-    solo generation, and the server still reports itself healthy with an empty batch."""
+    solo generation, each seeded one its reply when asked again alone, and the server still
+    reports itself healthy with an empty batch."""
     base, model, tokenizer, draft = server
     jobs = [([{"role": "user", "content": f"request {i}: " + "tell me more " * (i % 5)}], 4 + 7 * (i % 4), i % 4 == 3,
              i % 2 == 0) for i in range(64)]  # (messages, max_tokens, sampled, streamed)
@@ -235,6 +236,8 @@ def test_load_64_requests_from_16_clients(server):
         leaving.result()
     assert all(finish == "length" for _, finish in answers)
     assert {i: answers[i][0] for i in expected} == expected
+    seeded = [i for i in range(64) if jobs[i][2] and i % 8 == 3]  # (their draws their own: as when asked alone)
+    assert [ask(i) for i in seeded] == [answers[i] for i in seeded]
     health = httpx.get(base + "/health").json()
     assert health["status"] == "ok" and (health["batch"]["rows"], health["batch"]["waiting"]) == (0, 0)
     assert health["batch"]["peak_rows"] > 4  # (the greedy requests were decoded together)

@@ -97,6 +97,7 @@ class BatchDecoder:
         if params is not None and (params.logits_processors or params.accept != "speculative" or params.seed is not None):
             raise DFlashError("a batch's rows sample with temperature, top_p, top_k and min_p only: seeded "
                               "requests, logits processors and match acceptance run alone")
+        params = params.drawing() if params is not None else None  # (a random stream of its own)
         collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()
         logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
@@ -221,7 +222,7 @@ class BatchDecoder:
             params = self.rows[row_id].params
             if params is not None:
                 q[i] = params.probabilities(self.draft.scale_logits(self.target.head(hidden[i])))
-                drafted[i : i + 1] = sample(q[i])[None]
+                drafted[i : i + 1] = sample(q[i], params.key())[None]
         return drafted, q
 
     def _add_context(self, features: mx.array, kept: list[int], longest: int) -> None:

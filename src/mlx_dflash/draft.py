@@ -209,12 +209,14 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = mx.zeros((vocab, rank))
 
     def walk(self, hidden: mx.array, logits: mx.array, first_token: mx.array, top_k: int,
-             ids: Optional[mx.array] = None, temperature: float = 0.0) -> tuple[mx.array, Optional[mx.array]]:
+             ids: Optional[mx.array] = None, temperature: float = 0.0, key: Optional[mx.array] = None
+             ) -> tuple[mx.array, Optional[mx.array]]:
         """Drafts [n] for the slots after ``first_token``: at each slot one of the head's top
         ``top_k`` (``logits`` [n, V'] over ``ids``, or the whole vocabulary), scored against the
         token chosen before it; hidden: [n, H], the slots' final states. Greedy takes the best
-        score; with a ``temperature`` the candidate is sampled from softmax(S / T), and the second
-        result is that distribution on the vocabulary [n, V] (the q of speculative sampling)."""
+        score; with a ``temperature`` the candidate is sampled from softmax(S / T) (draws from
+        ``key``), and the second result is that distribution on the vocabulary [n, V] (the q of
+        speculative sampling)."""
         k = min(top_k, logits.shape[-1])
         local = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
         scores = mx.take_along_axis(logits, local, axis=-1)  # [n, k]
@@ -222,11 +224,12 @@ class CandidateSelector(nn.Module):
         successors = self.successor_codebook[candidates]  # [n, k, rank]
         g = self.hidden_projection(hidden)  # [n, rank]
         previous, drafted, qs = first_token.reshape(()), [], []
+        keys = mx.random.split(key, logits.shape[0]) if temperature > 0 else None
         for t in range(logits.shape[0]):
             score = scores[t] + successors[t] @ (self.predecessor_codebook[previous] * g[t])  # [k]
             if temperature > 0:
                 probs = mx.softmax(score / temperature)
-                choice = mx.random.categorical(mx.log(probs))
+                choice = mx.random.categorical(mx.log(probs), key=keys[t])
                 qs.append(mx.zeros((self.successor_codebook.shape[0],)).at[candidates[t]].add(probs))
             else:
                 choice = mx.argmax(score)

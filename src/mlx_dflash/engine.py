@@ -236,10 +236,9 @@ def decode_cycles(
     """
     cache = target.make_cache()
     proposer.start(target)
-    if sampling is not None and sampling.seed is not None:
-        mx.random.seed(sampling.seed)
-    elif sampling is not None and target.group is not None:  # a sharded target: every process draws alike
-        mx.random.seed(shared_seed(target.group))
+    if sampling is not None:  # (a random stream of its own; a sharded target's: every process draws alike)
+        shared = target.group is not None and sampling.seed is None
+        sampling = sampling.drawing(shared_seed(target.group) if shared else None)
     logits, reused = prefill(target, proposer, prompt, cache, target.options.prefill_step, prompt_progress,
                              prefix_cache)
     first = first_token(sampling, logits[None], prompt)  # [1]

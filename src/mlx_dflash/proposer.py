@@ -148,15 +148,16 @@ class DFlashProposer:
         """A DFlash2 draft: its selector picks (or samples) each slot's token."""
         return self.draft.config.dflash2 is not None
 
-    def sample(self, first_token: mx.array, num_tokens: int, temperature: float) -> tuple[mx.array, mx.array]:
+    def sample(self, first_token: mx.array, num_tokens: int, temperature: float, key: mx.array
+               ) -> tuple[mx.array, mx.array]:
         """A DFlash2 draft's sampled drafts [n] and their distributions q [n, V] (sparse: on
         the candidates of each slot)."""
         hidden = self._slot_hidden(first_token, num_tokens)[0]
         logits = self.draft.scale_logits(self.target.head(hidden))  # (the full head: q must be the drafts' own)
-        return self._walk(hidden, logits, first_token, None, temperature)
+        return self._walk(hidden, logits, first_token, None, temperature, key)
 
     def _walk(self, hidden: mx.array, logits: mx.array, first_token: mx.array, ids: Optional[mx.array],
-              temperature: float = 0.0) -> tuple[mx.array, Optional[mx.array]]:
+              temperature: float = 0.0, key: Optional[mx.array] = None) -> tuple[mx.array, Optional[mx.array]]:
         """The selector over ``logits`` (columns: ``ids``, or the whole vocabulary)."""
         return self.draft.candidate_selector.walk(hidden, logits, first_token, self.draft.config.dflash2.selector_top_k,
-                                                  ids, temperature)
+                                                  ids, temperature, key)

@@ -14,7 +14,8 @@ accepts less). Temperature 0 is plain greedy verification.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import mlx.core as mx
@@ -24,6 +25,20 @@ from .errors import DFlashError
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 MAX_SEED = 2**64 - 1
+
+
+class Draws:
+    """One generation's random stream: MLX keys split off its own key, one per draw, from its
+    seed (or from Python's ``random``). Not MLX's global random state: generations that run in
+    turns (the server's) would draw from each other's, and used from worker threads it aborted
+    the process at exit."""
+
+    def __init__(self, seed: Optional[int] = None) -> None:
+        self.key = mx.random.key(random.getrandbits(63) if seed is None else seed)
+
+    def next(self) -> mx.array:
+        self.key, key = mx.random.split(self.key)
+        return key
 
 
 @dataclass
@@ -38,6 +53,7 @@ class SamplingParams:
     seed: Optional[int] = None
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     accept: str = "speculative"  # or "match"
+    draws: Optional[Draws] = field(default=None, repr=False, compare=False)  # a generation's (``drawing``)
 
     def __post_init__(self) -> None:
         # (written as "not in range" so that NaN fails too)
@@ -55,6 +71,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temp == 0
+
+    def drawing(self, seed: Optional[int] = None) -> "SamplingParams":
+        """These parameters with a random stream of their own (one per generation), from
+        ``seed``, else their own seed, else a fresh one."""
+        return replace(self, draws=Draws(self.seed if seed is None else seed))
+
+    def key(self) -> mx.array:
+        """A fresh key of this generation's stream (``drawing``)."""
+        if self.draws is None:
+            raise RuntimeError("sampling parameters draw only within a generation (SamplingParams.drawing)")
+        return self.draws.next()
 
     def process(self, logits: mx.array, history: mx.array, block: mx.array) -> mx.array:
         """Apply the logits processors row by row; row j sees history + block[:j + 1]."""
@@ -82,8 +109,8 @@ class SamplingParams:
         return mx.softmax(logprobs / self.temp, axis=-1)
 
 
-def sample(probs: mx.array) -> mx.array:
-    return mx.random.categorical(mx.log(probs)).astype(mx.uint32)
+def sample(probs: mx.array, key: mx.array) -> mx.array:
+    return mx.random.categorical(mx.log(probs), key=key).astype(mx.uint32)
 
 
 def matching_prefix(drafted: mx.array, choice: mx.array) -> mx.array:
@@ -97,7 +124,7 @@ def first_token(params: Optional[SamplingParams], logits: mx.array, prompt: mx.a
         logits = params.process_row(logits, prompt)
     if params is None or params.greedy:
         return mx.argmax(logits[0], keepdims=True).astype(mx.uint32)
-    return sample(params.probabilities(logits))
+    return sample(params.probabilities(logits), params.key())
 
 
 def draft_tokens(params: SamplingParams, logits: mx.array, history: mx.array, first: mx.array) -> tuple:
@@ -109,12 +136,12 @@ def draft_tokens(params: SamplingParams, logits: mx.array, history: mx.array, fi
         return mx.argmax(processed, axis=-1).astype(mx.uint32), None
     if not params.logits_processors:  # every position at once
         q = params.probabilities(logits)
-        return sample(q), q
+        return sample(q, params.key()), q
     drafted, qs = [], []  # processors see the drafted prefix: sample position by position
     for j in range(logits.shape[0]):
         q = params.probabilities(params.process_row(logits[j : j + 1], mx.concatenate([history, first, *drafted])))
         qs.append(q)
-        drafted.append(sample(q))
+        drafted.append(sample(q, params.key()))
     return mx.concatenate(drafted), mx.concatenate(qs, axis=0)
 
 
@@ -125,7 +152,7 @@ def sample_drafts(params: SamplingParams, proposer, first: mx.array, n: int, his
     if n == 0:
         return first[:0], None
     if getattr(proposer, "selects", False) and not params.greedy and params.accept == "speculative":
-        return proposer.sample(first, n, params.temp)  # a DFlash2 draft samples through its selector
+        return proposer.sample(first, n, params.temp, params.key())  # a DFlash2 draft samples through its selector
     if hasattr(proposer, "draft_logits"):
         return draft_tokens(params, proposer.draft_logits(first, n), history, first)
     drafted = proposer.propose(first, n).astype(mx.uint32)
@@ -144,9 +171,9 @@ def verify(params: Optional[SamplingParams], logits: mx.array, history: Optional
         return choice, matching_prefix(drafted, choice)
     p = params.probabilities(processed)
     if q is None:  # exact match against a sample of the target
-        choice = sample(p)
+        choice = sample(p, params.key())
         return choice, matching_prefix(drafted, choice)
-    return speculative_accept(p, q, drafted)
+    return speculative_accept(p, q, drafted, params.key())
 
 
 def node_choices(params: Optional[SamplingParams], logits: mx.array) -> mx.array:
@@ -154,28 +181,29 @@ def node_choices(params: Optional[SamplingParams], logits: mx.array) -> mx.array
     distribution (every kept token is then the target's own draw: no rejection sampling)."""
     if params is None or params.greedy:
         return mx.argmax(logits, axis=-1)
-    return sample(params.probabilities(logits))
+    return sample(params.probabilities(logits), params.key())
 
 
-def speculative_accept(p: mx.array, q: mx.array, drafted: mx.array,
+def speculative_accept(p: mx.array, q: mx.array, drafted: mx.array, key: mx.array,
                        uniform: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
     """Standard speculative sampling over one block, entirely on the device.
 
     p [bs, V]: target distributions (row j predicts the token after block position j);
     q [bs-1, V]: draft distributions of drafted [bs-1] (drafted[j] follows position j).
-    ``uniform`` [bs-1]: the acceptance draws in [0, 1) (default: fresh ones).
+    ``key``: the draws' key; ``uniform`` [bs-1]: the acceptance draws in [0, 1) (default: from ``key``).
     Returns (tokens [bs], a): drafted[:a] then the bonus token at index a.
     """
     n = drafted.shape[0]
     rows = mx.arange(n)
     p_d = p[rows, drafted] if n else mx.zeros((0,))
     q_d = q[rows, drafted] if n else mx.zeros((0,))
-    u = mx.random.uniform(shape=(n,)) if uniform is None else uniform
+    uniform_key, bonus_key = mx.random.split(key)
+    u = mx.random.uniform(shape=(n,), key=uniform_key) if uniform is None else uniform
     keep = u * q_d < p_d  # u < p/q without dividing by zero
     a = mx.cumprod(keep.astype(mx.int32)).sum(keepdims=True)
     residual = mx.maximum(p[:n] - q, 0.0)
     mass = residual.sum(axis=-1, keepdims=True)
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:n])  # p == q: never rejected
-    bonus_if = sample(mx.concatenate([residual, p[n:]], axis=0))  # [bs]: the bonus if a == j
+    bonus_if = sample(mx.concatenate([residual, p[n:]], axis=0), bonus_key)  # [bs]: the bonus if a == j
     tokens = mx.where(mx.arange(n + 1) == a, bonus_if, mx.concatenate([drafted, bonus_if[:1]]))
     return tokens, a
