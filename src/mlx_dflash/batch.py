@@ -31,8 +31,8 @@ from .engine import prefill
 from .errors import DFlashError
 from .options import EngineOptions
 from .policy import BlockPolicy
-from .sampling import SamplingParams, first_token, sample, verify
 from .prefix_cache import PrefixCache
+from .sampling import SamplingParams, first_token, sample, verify
 from .target import Target, check_compatible
 
 # Verifies compiled where the engine's are (GPUs: every block), read after each cycle (not queued).
