@@ -289,8 +289,8 @@ def create_app(served: Served) -> FastAPI:
     async def run(job: Job, request: Request) -> AsyncIterator:
         """Responses of one generation; stops when the client goes away. A request joins the
         batch where there is one, unless it is the only request (then it runs alone, on the
-        single-sequence engine: queued cycles, compiled blocks) or it has a seed (its draws
-        would interleave with other rows': it runs alone, to be reproducible)."""
+        single-sequence engine: queued cycles, compiled blocks) or it has a seed (the batch's
+        block sizes would change its draws: alone, a seed gives the same text)."""
         seeded = job.sampling is not None and job.sampling.seed is not None
         if worker is not None and not seeded and (worker.busy or solo.locked()):
             text = TextStream(served.tokenizer, mx.array(job.prompt), job.max_tokens, job.stop, not job.chat)
