@@ -1,6 +1,6 @@
 """Caches of a batch whose rows accept different numbers of tokens each cycle.
 
-Two kinds, one interface for the batch (``joined``, ``extend``, ``filter``, ``row``, ``cut``),
+Two kinds, one interface for the batch (``joined``, ``extend``, ``filter``, ``row_cache``, ``cut_rows``),
 beside the recurrent layers of hybrid targets (mlx-lm's ``ArraysCache``, a state per row):
 
 - ``RowsKVCache``: key/value buffers in which every row keeps its own length (a device array):
