@@ -149,7 +149,9 @@ class BatchDecoder:
         block = mx.concatenate([first[:, None], drafted[:, : L - 1]], axis=1)
         logits, features = self.target(block, self.cache)
         choices, accepted = self._accept(logits, block, drafted[:, : L - 1], q)
-        # The cycle's one device-to-host read.
+        # The cycle's one device-to-host read (a forecast's guesses with it).
+        guess = drafted[0] if forecast else None
+        mx.eval(choices, accepted, *([guess] if forecast else []))
         choices_host, accepted = choices.tolist(), accepted.tolist()
         # Roll back each row to its accepted prefix; its kept tokens become draft context.
         for row_id, a in zip(self.order, accepted):
@@ -172,8 +174,8 @@ class BatchDecoder:
             row.first = c[a]
             out[row_id] = committed
         if self.policy is not None:  # (acceptance as the first row saw it; the whole batch's cost)
-            guess = drafted[0].tolist() if forecast else None
-            self.policy.record_cycle(L, out[self.order[0]], time.perf_counter() - tic, guess)
+            self.policy.record_cycle(L, out[self.order[0]], time.perf_counter() - tic,
+                                     guess.tolist() if forecast else None)
         for row_id in [r for r in self.order if self.rows[r].done]:
             self.remove(row_id)
         return out
