@@ -260,3 +260,22 @@ def test_hybrid_rows_rewind_each_to_its_own_prefix(tiny_dir, stepwise):
     for mixer in decoder.target._block_mixers.values():
         mixer.stepwise = stepwise
     assert decode_planted(decoder, references) == references
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_quantized_target_batched_equals_each_prompt_alone(tiny_dir, compiled):
+    """A 4-bit target (and a 4-bit draft), compiled verifies and eager ones."""
+    import mlx.nn as nn
+
+    from mlx_dflash.draft_io import quantize_draft
+
+    path = make_tiny_target(tiny_dir / "batch-quant-qwen3", "qwen3", hidden_size=128, head_dim=32)
+    model, _ = load_tiny(path)
+    nn.quantize(model, group_size=32, bits=4)
+    draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1, block_size=BLOCK,
+                                mask_token_id=MASK_ID)
+    quantize_draft(draft, 4, 32)
+    references = [greedy_reference(model, p, n) for p, n in zip(PROMPTS, LIMITS)]
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, EngineOptions(queue_ahead=False, compile_blocks=compiled),
+                            references={})
+    assert decode_planted(decoder, references) == references
