@@ -384,3 +384,21 @@ def test_no_trees_where_they_cannot_run_or_do_not_fit():
 def test_a_tree_budget_below_the_block_is_refused():
     with pytest.raises(DFlashError, match="tree budget must be in 16"):
         BlockPolicy(16, tree_budgets=(8,))
+
+
+def test_costs_are_kept_apart_per_key():
+    """A batch keys its costs by row count: each key's sizes are timed on their own, and a key
+    met again gets its own back; acceptance is shared."""
+    policy = BlockPolicy(4)
+    policy.use_costs(2)
+    for block, seconds in ((1, 0.01), (1, 0.01), (4, 0.02), (4, 0.02)):
+        policy.record(block, 1, seconds)
+    two = dict(policy.seconds)
+    assert two == {1: 0.01, 4: 0.02}
+    policy.use_costs(16)
+    assert policy.seconds == {}  # (timed afresh: 16 rows cost another multiple of a step)
+    for block, seconds in ((1, 0.02), (1, 0.02)):
+        policy.record(block, 1, seconds)
+    assert policy.seconds == {1: 0.02}
+    policy.use_costs(2)
+    assert policy.seconds == two and policy.cost_tables[16][0] == {1: 0.02}

@@ -184,6 +184,9 @@ class BatchDecoder:
         """The cycle's block size (every row's) and whether it drafts a forecast beside plain steps."""
         if self.policy is None:
             return min(self.block_size, wanted + 1), False
+        # Costs per row count (rounded up to a power of two): on a CPU a block of many rows costs
+        # many plain steps, on a GPU about one.
+        self.policy.use_costs(1 << (len(self.order) - 1).bit_length())
         return self.policy.choose(limit=wanted + 1, trees=False), self.policy.wants_forecast
 
     def _accept(self, logits: mx.array, block: mx.array, drafted: mx.array, q: dict[int, mx.array]

@@ -38,7 +38,7 @@ costs one draft pass per text instead of a verified block.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence, Union
+from typing import Hashable, Optional, Sequence, Union
 
 from .errors import DFlashError
 
@@ -104,6 +104,8 @@ class BlockPolicy:
         self.sizes = candidate_sizes(max_block, tree_budgets if max_block > 1 else ())
         self.seconds: dict[int, float] = {}  # block size -> moving average seconds per cycle
         self.samples: dict[int, int] = {}  # block size -> cycles seen
+        self.cost_key: Hashable = None  # whose costs those are (``use_costs``)
+        self.cost_tables: dict[Hashable, tuple[dict[int, float], dict[int, int]]] = {}  # the other keys'
         # (block, acceptance, seconds, forecast) of each recorded cycle, when a caller sets a list
         # here (the benchmark, per generation: what the policy saw, to explain what it chose)
         self.history: list[tuple[int, int, float, bool]] | None = None
@@ -136,6 +138,16 @@ class BlockPolicy:
         self.guess: list[int] | None = None  # the forecast's tokens, once drafted
         self.guess_checked = 0
         self.guess_from = 1  # the block slot its first token guesses
+
+    def use_costs(self, key: Hashable) -> None:
+        """Keep measured costs apart per ``key`` from now on: a batch's cycle of 16 rows costs
+        another multiple of a plain step than a cycle of 2 (``batch.py`` keys them by rows). A key
+        met before gets its costs back; a new one times its sizes afresh. Acceptance is shared."""
+        if key == self.cost_key:
+            return
+        self.cost_tables[self.cost_key] = (self.seconds, self.samples)
+        self.seconds, self.samples = self.cost_tables.pop(key, ({}, {}))
+        self.cost_key, self.previous_block, self.timed_previous = key, None, None  # (no steady cycle across keys)
 
     def expected_tokens(self, block: int) -> float:
         """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it).
