@@ -157,14 +157,14 @@ class BatchDecoder:
         for row_id, a in zip(self.order, accepted):
             self.rows[row_id].length += a + 1
         longest, drop = max(self.rows[r].length for r in self.order), [L - 1 - a for a in accepted]
+        dropped = mx.array(drop)  # (one array for every layer, target and draft)
         if self.target.rolls_back_on_device:  # (each row cut by its own count on the device)
-            self.target.rollback(self.cache, mx.array(drop) if any(drop) else 0)
+            self.target.rollback(self.cache, dropped if any(drop) else 0)
             self.target.settle(self.cache, longest)
         else:
-            memo: dict = {}
             for layer_cache in self.cache:
-                cut_rows(layer_cache, drop, longest, memo)
-        self._add_context(features, [a + 1 for a in accepted], longest)
+                cut_rows(layer_cache, drop)
+        self._add_context(features, dropped, longest)
         # Commit.
         out: dict[int, list[int]] = {}
         for row_id, a, c in zip(list(self.order), accepted, choices_host):
@@ -230,15 +230,14 @@ class BatchDecoder:
                 drafted[i : i + 1] = sample(q[i], params.key())[None]
         return drafted, q
 
-    def _add_context(self, features: mx.array, kept: list[int], longest: int) -> None:
-        """The block's tapped features, of which each row keeps its first ``kept[i]``
+    def _add_context(self, features: mx.array, dropped: mx.array, longest: int) -> None:
+        """The block's tapped features, of which row i drops the last ``dropped[i]``
         (``longest``: the longest row after it)."""
         context = self.draft.project_context(features)
-        n, memo = features.shape[1], {}
         for layer, ctx in zip(self.draft.layers, self.context):
             keys, values = layer.self_attn.context_kv(context, ctx.cache.offset)
             ctx.cache.update_and_fetch(keys, values)
-            cut_rows(ctx.cache, [n - k for k in kept], longest, memo)
+            ctx.cache.cut(dropped, longest)
 
     def _join(self, cache: list[Any], contexts: list[KVCache]) -> None:
         rows = [joined(c) for c in cache]

@@ -1,6 +1,6 @@
 """Caches of a batch whose rows accept different numbers of tokens each cycle.
 
-Two kinds, one interface for the batch (``joined``, ``extend``, ``filter``, ``row_cache``, ``cut_rows``),
+Two kinds, one interface for the batch (``joined``, ``extend``, ``filter``, ``row_cache``),
 beside the recurrent layers of hybrid targets (mlx-lm's ``ArraysCache``, a state per row):
 
 - ``RowsKVCache``: key/value buffers in which every row keeps its own length (a device array):
@@ -10,7 +10,7 @@ beside the recurrent layers of hybrid targets (mlx-lm's ``ArraysCache``, a state
   key/value layers and for the draft's context.
 - mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache`` for targets with sliding-window layers
   (rotating caches): rows left-padded to a common end; a row cut back by more than the others has
-  its rejected tail rolled round to its left padding (``cut_rows``).
+  its rejected tail rolled round to its left padding (``cut_rows``; a ``RowsKVCache``: ``cut``).
 
 mlx-lm's batch caches keep their offsets on the host and move every row's data to cut it back
 (a roll of the whole buffer per layer and cycle), which is why the plain layers use their own.
@@ -51,8 +51,8 @@ class RowsKVCache(DeviceKVCache):
     def extend(self, other: "RowsKVCache") -> None:
         """Append ``other``'s rows."""
         size = max(self.keys.shape[2], other.keys.shape[2])
-        self.keys = mx.concatenate([_sized(self.keys, size), _sized(other.keys, size)])
-        self.values = mx.concatenate([_sized(self.values, size), _sized(other.values, size)])
+        self.keys, self.values = (mx.concatenate([_sized(mine, size), _sized(theirs, size)])
+                                  for mine, theirs in ((self.keys, other.keys), (self.values, other.values)))
         self.offset = mx.concatenate([self.offset, other.offset])
         self.bound = max(self.bound, other.bound)
 
@@ -68,9 +68,9 @@ class RowsKVCache(DeviceKVCache):
         one.offset = one.bound = length
         return one
 
-    def cut(self, drop: mx.array, longest: int, memo: Optional[dict] = None) -> None:
+    def cut(self, drop: mx.array, longest: int) -> None:
         """Drop the last ``drop[i]`` positions of row i; ``longest``: the longest row after it."""
-        self.drop(drop, memo)
+        self.drop(drop)
         self.settle(longest)
 
 
@@ -98,16 +98,10 @@ def row_cache(cache: Any, index: int, length: int, held: int) -> Optional[Any]:
     return one
 
 
-def cut_rows(cache: BatchCache, drop: list[int], longest: int, memo: Optional[dict] = None) -> None:
-    """Drop the last ``drop[i]`` positions of row i (``longest``: the longest row after it)."""
-    if isinstance(cache, RowsKVCache):
-        key = ("drop", tuple(drop))  # (one array for all the layers)
-        if memo is not None and key not in memo:
-            memo[key] = mx.array(drop)
-        cache.cut(memo[key] if memo is not None else mx.array(drop), longest, memo)
-        return
-    # mlx-lm's batch caches: the common part trimmed, the rest rolled round to the row's left
-    # padding (right padding made left padding, as mlx-lm's ``finalize``).
+def cut_rows(cache: Union[BatchKVCache, BatchRotatingKVCache], drop: list[int]) -> None:
+    """Drop the last ``drop[i]`` positions of row i of one of mlx-lm's batch caches: the common
+    part trimmed, the rest rolled round to the row's left padding (right padding made left
+    padding, as mlx-lm's ``finalize``)."""
     common, rest = min(drop), [d - min(drop) for d in drop]
     if isinstance(cache, BatchRotatingKVCache):  # (after a block: in temporal order, the block at the end)
         if common:  # cut off the buffer, or later updates would rotate the rejected keys back in
