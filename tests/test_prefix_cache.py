@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, greedy_reference, load_tiny, make_tiny_target
 
-from mlx_dflash import create_random_draft, generate
+from mlx_dflash import create_random_draft, generate, stream_generate
 from mlx_dflash.engine import prefill
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.generate import make_proposer
@@ -22,7 +22,8 @@ GPU_PATHS = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True,
 HYBRIDS = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
 WRAPPING = {"gemma3_text", "gpt_oss"}  # sliding windows of 8: their rotating caches wrap in these prompts
 HISTORY = list(range(40, 76))  # a first turn's prompt
-TURN = HISTORY + list(range(100, 118))  # the next turn: the history, then more
+NEW = list(range(100, 118))  # a new message
+TURN = HISTORY + NEW  # the next turn: the history, then more
 EDITED = HISTORY[:20] + list(range(150, 166))  # shares only its first 20 tokens with HISTORY
 
 
@@ -50,13 +51,22 @@ def test_turns_equal_cold_runs_and_mlx_lm(pair, options):
     assert (first.reused_prompt_tokens, cache.hits, cache.misses) == (0, 0, 1)
     assert first.tokens == greedy_reference(model, HISTORY, MAX_TOKENS)
 
-    turn = _run(pair, TURN, cache, options=options, adaptive=True)
-    assert turn.reused_prompt_tokens == len(HISTORY) - 1  # (a prompt's last token always runs)
-    assert turn.tokens == greedy_reference(model, TURN, MAX_TOKENS)
-    assert turn.tokens == _run(pair, TURN, options=options).tokens
+    # a chat's next turn resends the history and the reply: both kept (the reply's latest token
+    # never ran); a recurrent state or a wrapped window only where the caches hold just them
+    turn_prompt = HISTORY + first.tokens + NEW
+    turn = _run(pair, turn_prompt, cache, options=options, adaptive=True)
+    with_reply = len(HISTORY) + len(first.tokens) - 1
+    if name in HYBRIDS | WRAPPING:
+        assert turn.reused_prompt_tokens in (len(HISTORY) - 1, with_reply)
+    else:
+        assert turn.reused_prompt_tokens == with_reply
+    assert turn.tokens == greedy_reference(model, turn_prompt, MAX_TOKENS)
+    assert turn.tokens == _run(pair, turn_prompt, options=options).tokens
 
-    again = _run(pair, TURN, cache, options=options)  # the same prompt again: all but its last token
-    assert again.reused_prompt_tokens == len(TURN) - 1
+    # the same prompt again: all but its last token (a kept reply that runs past the prompt
+    # serves all but its last two: mlx-lm's trie leaves a token of a longer entry to run)
+    again = _run(pair, turn_prompt, cache, options=options)
+    assert again.reused_prompt_tokens >= len(turn_prompt) - 2
     assert again.tokens == turn.tokens
 
     edited = _run(pair, EDITED, cache, options=options)
@@ -65,7 +75,27 @@ def test_turns_equal_cold_runs_and_mlx_lm(pair, options):
     assert edited.reused_prompt_tokens == (0 if name in HYBRIDS | WRAPPING else 20)
     assert edited.tokens == greedy_reference(model, EDITED, MAX_TOKENS)
     # what was restored and cut back was a copy: the stored turn is intact
-    assert _run(pair, TURN, cache, options=options).tokens == turn.tokens
+    assert _run(pair, turn_prompt, cache, options=options).tokens == turn.tokens
+
+
+@pytest.mark.parametrize("options", [EngineOptions(), GPU_PATHS], ids=["cpu-paths", "gpu-paths"])
+def test_a_reply_stopped_early_is_kept_up_to_its_last_cycle(pair, options):
+    """A generation that its caller ends early (a stop string, a client gone) keeps what it
+    committed; the next turn over it gives a cold run's tokens."""
+    name, model, tokenizer, draft = pair
+    cache = PrefixCache(1 << 30)
+    stream = stream_generate(model, tokenizer, HISTORY, draft, max_tokens=MAX_TOKENS, prefix_cache=cache, options=options)
+    reply = []
+    for response in stream:
+        reply += response.tokens
+        if len(reply) >= 5:
+            break
+    stream.close()
+    turn_prompt = HISTORY + reply + NEW
+    turn = _run(pair, turn_prompt, cache, options=options)
+    if name not in HYBRIDS | WRAPPING:
+        assert turn.reused_prompt_tokens == len(HISTORY) + len(reply) - 1
+    assert turn.tokens == greedy_reference(model, turn_prompt, MAX_TOKENS)
 
 
 def test_seeded_sampling_gives_the_same_tokens(pair):

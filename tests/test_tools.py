@@ -78,6 +78,7 @@ def test_prefix_cache_benchmark(pair):
     out = json.loads(run_tool("prefix_cache.py", "--model", model, "--draft", draft, "--history", "300", "--reply", "20",
                               "--message", "10", "--tokens", "4", "--repeats", "1", "--json", folder=BENCHMARKS))
     assert out["same_tokens"] is True and out["turn_prompt"] == 330
+    assert out["reused_tokens"] == 300 + 20 - 1  # (the history and the reply kept; its latest token never ran)
     assert 0 < out["cached_ttft_s"] and 0 < out["cold_ttft_s"]
 
 

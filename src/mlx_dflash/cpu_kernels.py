@@ -29,6 +29,7 @@ instead of MLX's five a layer) and leaves everything else to MLX's own GPU kerne
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 from contextlib import AbstractContextManager
 from functools import lru_cache, partial
@@ -153,11 +154,12 @@ def rope(module: nn.Module, x: mx.array, offset: Union[int, mx.array] = 0) -> mx
     if not (_cpu_float32(x.dtype) and type(module) is nn.RoPE and not module.traditional
             and module.dims == x.shape[-1] and isinstance(offset, int)):
         return module(x, offset=offset)
-    return _rotate(x, _rotations(module.dims, module.base, module.scale, offset, x.shape[-2]))
+    # (kept per thread: a table is built lazily on its thread's stream, which no other thread has)
+    return _rotate(x, _rotations(module.dims, module.base, module.scale, offset, x.shape[-2], threading.get_ident()))
 
 
 @lru_cache(maxsize=8)
-def _rotations(dims: int, base: float, scale: float, offset: int, length: int) -> mx.array:
+def _rotations(dims: int, base: float, scale: float, offset: int, length: int, thread: int) -> mx.array:
     """[length, dims]: the cosines, then the sines, of RoPE's angles at positions offset, ...,
     as MLX computes them (rotating x1 = 1, x2 = 0 gives x1 * cos - x2 * sin, x1 * sin + x2 * cos)."""
     half = dims // 2

@@ -16,6 +16,7 @@ previous one, as mlx-lm's own decode loop does for single tokens.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
@@ -247,30 +248,35 @@ def decode_cycles(
 
     runner = BlockRunner(target, proposer, cache, block_size, sampling, policy, prompt.tolist(), tree_budget)
     block = runner.launch(first, *runner.next_size(max_tokens - emitted)) if emitted < max_tokens else None
-    while block is not None:
-        # Roll back before the read where the device knows the count, and queue the next cycle.
-        queued = choice = None
-        on_device = block.tree is None and (block.size == 1 or runner.queue_blocks)
-        if on_device:
-            first = runner.keep(block, 0 if block.size == 1 else block.accepted[0])
-            if (runner.queue_blocks or runner.queue_steps) and emitted + 1 < max_tokens:
-                choice = runner.next_size(max_tokens - emitted - 1)
-                queued = runner.launch(first, *choice) if runner.queues(choice[0]) else None
-        # Accept: the cycle's one device-to-host read. (Sliced on the host: reading a slice would
-        # wait for everything queued before it, the next cycle included.)
-        committed = runner.read(block)
-        a = len(committed) - 1
-        runner.record(block, committed)
-        if not on_device:  # roll back by the count just read
-            first = runner.keep(block, a)
-        # Commit (a block queued ahead may pass the end).
-        committed = committed[: max_tokens - emitted]
-        runner.history += [latest] + committed[:-1]
-        emitted, latest = emitted + len(committed), committed[-1]
-        runner.settle(prompt.size + emitted - 1, queued)  # (every committed token but the latest is in context)
-        cycle = Cycle(committed, min(a + 1, len(committed)), block.size, block.launch_seconds)
-        if emitted >= max_tokens:
-            block = None
-        else:
-            block = queued or runner.launch(first, *(choice or runner.next_size(max_tokens - emitted)))
-        yield cycle
+    exact = block is None  # whether the caches hold just the committed tokens (but the latest)
+    try:
+        while block is not None:
+            # Roll back before the read where the device knows the count, and queue the next cycle.
+            queued = choice = None
+            on_device = block.tree is None and (block.size == 1 or runner.queue_blocks)
+            if on_device:
+                first = runner.keep(block, 0 if block.size == 1 else block.accepted[0])
+                if (runner.queue_blocks or runner.queue_steps) and emitted + 1 < max_tokens:
+                    choice = runner.next_size(max_tokens - emitted - 1)
+                    queued = runner.launch(first, *choice) if runner.queues(choice[0]) else None
+            # Accept: the cycle's one device-to-host read. (Sliced on the host: reading a slice would
+            # wait for everything queued before it, the next cycle included.)
+            committed = runner.read(block)
+            a = len(committed) - 1
+            runner.record(block, committed)
+            if not on_device:  # roll back by the count just read
+                first = runner.keep(block, a)
+            # Commit (a block queued ahead may pass the end).
+            committed = committed[: max_tokens - emitted]
+            runner.history += [latest] + committed[:-1]
+            emitted, latest = emitted + len(committed), committed[-1]
+            runner.settle(prompt.size + emitted - 1, queued)  # (every committed token but the latest is in context)
+            cycle = Cycle(committed, min(a + 1, len(committed)), block.size, block.launch_seconds)
+            if emitted >= max_tokens:
+                block, exact = None, queued is None and len(committed) == a + 1
+            else:
+                block, exact = queued or runner.launch(first, *(choice or runner.next_size(max_tokens - emitted))), False
+            yield cycle
+    finally:  # (also when the caller stops early: a stop string, a client gone; not after an error)
+        if prefix_cache is not None and sys.exc_info()[0] in (None, GeneratorExit):
+            prefix_cache.store(target, proposer, cache, runner.history, exact)

@@ -230,29 +230,32 @@ def stream_generate(
     tic = time.perf_counter()
     cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, prompt_progress,
                            tree_budget=fixed_tree, prefix_cache=prefix_cache)
-    for n_cycle, cycle in enumerate(cycles):
-        if n_cycle == 0:
-            prefill_s, reused = time.perf_counter() - tic, cycle.reused_prompt_tokens
-            tic = time.perf_counter()
-        segment, new = output.add(cycle.tokens)
-        finish = output.finish_reason
-        elapsed = time.perf_counter() - tic
-        yield StreamResponse(
-            text=segment,
-            tokens=new,
-            acceptance_length=cycle.acceptance_length,
-            cycle=n_cycle,
-            prompt_tokens=prompt.size,
-            prefill_seconds=prefill_s,
-            generation_tokens=len(output.tokens),
-            decode_tokens_per_sec=max(len(output.tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
-            finish_reason=finish,
-            reused_prompt_tokens=reused,
-        )
-        if finish:
-            if target.group is not None:
-                check_agreement(output.tokens, target.group)
-            return
+    try:
+        for n_cycle, cycle in enumerate(cycles):
+            if n_cycle == 0:
+                prefill_s, reused = time.perf_counter() - tic, cycle.reused_prompt_tokens
+                tic = time.perf_counter()
+            segment, new = output.add(cycle.tokens)
+            finish = output.finish_reason
+            elapsed = time.perf_counter() - tic
+            yield StreamResponse(
+                text=segment,
+                tokens=new,
+                acceptance_length=cycle.acceptance_length,
+                cycle=n_cycle,
+                prompt_tokens=prompt.size,
+                prefill_seconds=prefill_s,
+                generation_tokens=len(output.tokens),
+                decode_tokens_per_sec=max(len(output.tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
+                finish_reason=finish,
+                reused_prompt_tokens=reused,
+            )
+            if finish:
+                if target.group is not None:
+                    check_agreement(output.tokens, target.group)
+                return
+    finally:  # (now, not when collected: a prefix cache keeps the reply as the engine ends)
+        cycles.close()
 
 
 def generate(

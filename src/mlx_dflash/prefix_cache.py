@@ -7,8 +7,9 @@ boundary (all but its last token, which a generation always runs itself); a late
 restores the longest stored prefix of it and prefills only the rest. Key/value caches can be
 cut back, so a stored prompt that shares only part of a new one serves that part too; a
 recurrent state cannot, so hybrid targets reuse whole stored prompts only (each turn of a chat
-starts with the previous turn's prompt, so those hit as well). The server's batch also stores
-each request's prompt and reply when it ends (``batch.BatchDecoder.remove``).
+starts with the previous turn's prompt, so those hit as well). A generation also stores its
+prompt and reply when it ends (``engine.decode_cycles``; the server's batch in
+``batch.BatchDecoder.remove``): a chat's next turn resends both, and prefills only its new message.
 
 The entries live in mlx-lm's ``LRUPromptCache`` (a trie of token sequences, least recently
 used evicted first) bounded by bytes; each entry's caches are copied in and copied out, so
@@ -20,10 +21,13 @@ from __future__ import annotations
 import copy
 from typing import Any, Hashable
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
+from .draft_cache import DraftContextCache
 from .errors import DFlashError
 from .proposer import Proposer
+from .rollback import DeviceKVCache, is_recurrent
 from .target import Target
 
 MAX_ENTRIES = 1 << 20  # bounded by bytes, not by count
@@ -73,11 +77,17 @@ class PrefixCache:
         proposer.use_context(caches[len(cache) :], reused)
         return reused
 
-    def store(self, target: Target, proposer: Proposer, cache: list[Any], prefix: list[int]) -> None:
-        """Keep a copy of the state after ``prefix``: the target's ``cache`` and the proposer's context."""
+    def store(self, target: Target, proposer: Proposer, cache: list[Any], prefix: list[int], exact: bool = True) -> None:
+        """Keep a copy of the state after ``prefix``: the target's ``cache`` and the proposer's
+        context, each cut back to ``prefix`` where it holds more (a generation's rejected or
+        unneeded drafts). ``exact``: recurrent states hold exactly ``prefix`` (they cannot be cut
+        back: not kept otherwise)."""
         if self.max_bytes == 0 or len(prefix) < 2:  # (mlx-lm's trie never finds a one-token prefix)
             return
         copies = copy.deepcopy(cache + proposer.context_caches())
+        if not all(_cut(c, len(prefix), exact) for c in copies):
+            return
+        mx.eval([c.state for c in copies])  # (materialized: not a graph over the generation it came from)
         if sum(c.nbytes for c in copies) <= self.max_bytes:
             self.entries.insert_cache(_pair(target, proposer), list(prefix), copies)
 
@@ -85,6 +95,26 @@ class PrefixCache:
         """What ``/health`` reports under ``prefix_cache``."""
         return {"hits": self.hits, "misses": self.misses, "bytes": self.entries.nbytes, "max_bytes": self.max_bytes,
                 "entries": len(self.entries), "reused_tokens": self.reused_tokens}
+
+
+def _cut(cache: Any, positions: int, exact: bool) -> bool:
+    """Cut a copied cache back to its first ``positions`` positions, which hold the stored
+    tokens; False where it cannot be (a recurrent state past them, a wrapped rotating cache)."""
+    if isinstance(cache, DeviceKVCache):  # (its length may be a device count: the host knows it now)
+        cache.settle(positions, exact=True)
+        return True
+    if isinstance(cache, DraftContextCache):
+        cache.settle(positions)
+        return True
+    if is_recurrent(cache):
+        return exact
+    offset = getattr(cache, "offset", None)
+    if offset == positions:
+        return True
+    if isinstance(offset, int) and offset > positions and cache.is_trimmable():
+        cache.trim(offset - positions)
+        return True
+    return False
 
 
 def _pair(target: Target, proposer: Proposer) -> Hashable:
