@@ -12,7 +12,7 @@ from mlx_dflash import create_random_draft
 from mlx_dflash.bench import BenchConfig, markdown_table, run_bench, token_match
 from mlx_dflash.replay import ReplayProposer, geometric_schedule
 
-SUMMARY_FIELDS = {"method", "length", "prompts", "decode_tokens_per_sec", "prefill_s_median", "ttft_s_median",
+SUMMARY_FIELDS = {"method", "length", "prompts", "decode_tokens_per_sec", "ttft_s_median", "peak_memory_gb",
                   "generated_tokens", "token_match", "speedup_vs_baseline", "decode_tokens_per_sec_by_prompt",
                   "speedup_by_prompt", "median_speedup", "prompts_at_cap", "speedup_without_capped"}
 DFLASH_FIELDS = {"cycles", "mean_acceptance_length", "acceptance_histogram", "acceptance_by_position"}
@@ -136,20 +136,22 @@ def test_scale_mode_on_a_hybrid_shape(tmp_path, capsys):
 
     out = tmp_path / "scale"
     assert main(["bench", "--scale", "tiny-hybrid", "--draft-quant", "8", "--lengths", "24", "--block-size", "4",
-                 "--replay-mean", "3", "--num-prompts", "1", "--prompt-len", "16", "--draft-layers", "1",
+                 "--replay-mean", "3", "--num-prompts", "1", "--context", "16", "40", "--draft-layers", "1",
                  "--out", str(out)]) == 0
-    summary = json.loads((out / "results.json").read_text())["summary"]
-    assert summary["dflash_replay_mean3.0@24"]["token_match"] == {"0": True}
+    for context in (16, 40):  # (a run per context, each in its own folder)
+        summary = json.loads((out / f"context-{context}" / "results.json").read_text())["summary"]
+        assert summary["dflash_replay_mean3.0@24"]["token_match"] == {"0": True}
+        assert summary["baseline@24"]["peak_memory_gb"] > 0
     costs = json.loads((out / "cycle_costs.json").read_text())
-    assert [c["context_len"] for c in costs] == [16, 24]
+    assert [c["context_len"] for c in costs] == [16, 24, 40]
     assert all(c["rollback_ms"] >= 0 and c["verify_plus_rollback_ms"] > 0 for c in costs)
     assert all(0 < c["host_ms"] < c["verify_plus_rollback_ms"] + c["draft_ms"] for c in costs)
     fast = tmp_path / "costs"
-    assert main(["bench", "--scale", "tiny-hybrid", "--costs-only", "--lengths", "32", "--prompt-len", "16",
+    assert main(["bench", "--scale", "tiny-hybrid", "--costs-only", "--lengths", "32", "--context", "16",
                  "--draft-layers", "1", "--draft-vocab", "512", "--out", str(fast)]) == 0
     assert not (fast / "results.json").exists()
     trees = tmp_path / "tree-costs"  # (an attention target: what a tree's verify costs there)
-    assert main(["bench", "--scale", "tiny", "--costs-only", "--lengths", "32", "--prompt-len", "16",
+    assert main(["bench", "--scale", "tiny", "--costs-only", "--lengths", "32", "--context", "16",
                  "--draft-layers", "1", "--block-size", "4", "--replay-mean", "3", "--tree-budgets", "8",
                  "--out", str(trees)]) == 0
     costs = json.loads((trees / "cycle_costs.json").read_text())
@@ -179,3 +181,42 @@ def test_the_summary_reports_the_median_and_texts_at_the_cap_apart():
     assert abs(entry["speedup_without_capped"] - 2.0) < 1e-12
     table = markdown_table({"dflash@100": entry})
     assert "| 4.00x | 2.00x | 2.00-10.00x | 1/3 | 2.00x |" in table
+
+
+def test_long_context_prompts(tmp_path, capsys):
+    """A question after source files: within a few tokens of the context asked for, never
+    past it, each prompt starting at other files; the bench runs a table per context."""
+    from mlx_dflash.bench_prompts import long_context_prompts
+    from mlx_dflash.cli import main
+    from mlx_dflash.errors import DFlashError
+    from tiny_models import tiny_pair_files
+
+    source = tmp_path / "project"
+    source.mkdir()
+    for i in range(5):
+        (source / f"module{i}.py").write_text(f"def f{i}(x):\n    return x * {i}  # module {i}\n" * 30)
+    model_dir, draft_dir = tiny_pair_files(tmp_path / "pair", "qwen3")
+    tokenizer = load_tiny(model_dir)[1]
+    questions = ["Complete: def g(x):", "Complete: def h(y):"]
+    for chat in (True, False):
+        prompts = long_context_prompts(tokenizer, questions, 300, str(source), chat=chat)
+        assert all(290 <= len(p) <= 300 for p in prompts)
+        texts = [tokenizer.decode(p) for p in prompts]
+        assert all(q in t for q, t in zip(questions, texts)) and "module0.py" in texts[0] and texts[0] != texts[1]
+    with pytest.raises(DFlashError, match="no room"):
+        long_context_prompts(tokenizer, questions, 10, str(source))
+    with pytest.raises(DFlashError, match="no .py files"):
+        long_context_prompts(tokenizer, questions, 300, str(tmp_path / "pair" / "draft"))
+
+    prompts_file = tmp_path / "questions.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in questions))
+    out = tmp_path / "bench"
+    assert main(["bench", "--model", model_dir, "--draft", draft_dir, "--prompts", str(prompts_file), "--num-prompts", "2",
+                 "--context", "120", "200", "--context-source", str(source), "--lengths", "6", "--no-warmup",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "## context 120: prompts of" in printed and "## context 200: prompts of" in printed
+    for context in (120, 200):
+        summary = json.loads((out / f"context-{context}" / "results.json").read_text())["summary"]
+        assert summary["dflash@6"]["token_match"] == {"0": True, "1": True}
+    assert main(["bench", "--context", "1"]) == 2

@@ -41,6 +41,7 @@ class Run:
     tokens: list[int]
     prefill_s: float  # time to first token
     decode_s: float
+    peak_memory_gb: float = 0.0  # MLX's peak memory during the generation
     acceptance_lengths: list[int] = field(default_factory=list)
     policy_cycles: list[tuple[int, int, float, bool]] = field(default_factory=list)  # adaptive: BlockPolicy.history
 
@@ -54,7 +55,9 @@ def humaneval_prompts() -> list[str]:
 
 
 def _timed(stream: Iterator, token_of: Callable, accept_of: Callable = lambda r: None) -> tuple:
+    """(tokens, time to first token, decode seconds, peak memory GB, acceptance lengths)."""
     tokens, acceptance = [], []
+    mx.reset_peak_memory()
     tic = time.perf_counter()
     first = None
     for response in stream:
@@ -64,7 +67,7 @@ def _timed(stream: Iterator, token_of: Callable, accept_of: Callable = lambda r:
         if accept_of(response) is not None:
             acceptance.append(accept_of(response))
     end = time.perf_counter()
-    return tokens, (first or end) - tic, end - (first or end), acceptance
+    return tokens, (first or end) - tic, end - (first or end), mx.get_peak_memory() / 1e9, acceptance
 
 
 def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=None, num_draft_tokens: int = 3,
@@ -126,8 +129,8 @@ def summarize(runs: list[Run], block_size: int) -> dict:
             "length": length,
             "prompts": len(by_prompt),
             "decode_tokens_per_sec": _rate(work[method, length]),
-            "prefill_s_median": statistics.median(r.prefill_s for r in mine),
             "ttft_s_median": statistics.median(r.prefill_s for r in mine),
+            "peak_memory_gb": max(r.peak_memory_gb for r in mine),
             "generated_tokens": sum(n for n, _ in work[method, length].values()) + len(by_prompt),
             "token_match": {p: token_match(rs[0].tokens, baseline.get((p, length), [])) for p, rs in by_prompt.items()},
             "decode_tokens_per_sec_by_prompt": {p: n / s for p, (n, s) in work[method, length].items()},
@@ -171,8 +174,8 @@ def markdown_table(summary: dict) -> str:
     """Per method and length: decode tok/s, the aggregate speed-up, the median of the prompts'
     own speed-ups and their range, the aggregate without the texts that ran to the cap."""
     rows = ["| method | length | decode tok/s | speed-up (aggregate) | median per prompt | range | "
-            "at the cap | aggregate without them | TTFT s | mean acceptance | token match |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "at the cap | aggregate without them | TTFT s | peak memory GB | mean acceptance | token match |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary.values():
         matches = list(e["token_match"].values())
         match = "all" if all(m is True for m in matches) else f"{sum(m is True for m in matches)}/{len(matches)}"
@@ -185,7 +188,7 @@ def markdown_table(summary: dict) -> str:
         uncapped = f"{e['speedup_without_capped']:.2f}x" if ours and e["prompts_at_cap"] and e["speedup_without_capped"] else "-"
         rows.append(f"| {e['method']} | {e['length']} | {e['decode_tokens_per_sec']:.1f} | "
                     f"{e.get('speedup_vs_baseline', 1.0):.2f}x | {median} | {spread} | {capped} | {uncapped} | "
-                    f"{e['ttft_s_median']:.3f} | {acc} | {match} |")
+                    f"{e['ttft_s_median']:.3f} | {e['peak_memory_gb']:.2f} | {acc} | {match} |")
     return "\n".join(rows)
 
 
@@ -306,7 +309,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
 
     def baseline(job: tuple) -> Run:
         p, length, _ = job
-        return Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompts[p], length, sampling=cfg.sampling)[:3])
+        return Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompts[p], length, sampling=cfg.sampling)[:4])
 
     @contextmanager
     def full_length():  # a warm-up must run its full length
@@ -340,8 +343,8 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
             base = baselines.get(job) or baseline(job)
             runs.append(base)
             if ar_draft is not None:
-                tokens, pre, dec, _ = run_mlx_lm(model, tokenizer, prompt, length, ar_draft, cfg.num_draft_tokens)
-                runs.append(Run("mlx_lm_speculative", p, length, tokens, pre, dec))
+                runs.append(Run("mlx_lm_speculative", p, length,
+                                *run_mlx_lm(model, tokenizer, prompt, length, ar_draft, cfg.num_draft_tokens)[:4]))
             for name, proposer in proposers.items():
                 if _is_factory(proposer):  # replay: built from this prompt's greedy reference
                     proposer = proposer(list(prompt) + base.tokens)

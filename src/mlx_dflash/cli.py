@@ -403,7 +403,11 @@ def _add_bench(sub) -> None:
     p.add_argument("--draft-layers", type=int, default=5, help="scale mode and --replay: layers of the random draft")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="scale mode: the random draft drafts from this many token ids (a draft vocabulary)")
-    p.add_argument("--prompt-len", type=int, default=128, help="scale mode: random prompt length")
+    p.add_argument("--context", type=int, nargs="+", default=None, metavar="N",
+                   help="prompts of N tokens, one run per N: the questions after source files (real pairs; "
+                        "bench_prompts.py), random ids (scale mode; default 128)")
+    p.add_argument("--context-source", default=None, metavar="DIR",
+                   help="the .py files long prompts are built from (default: this Python's standard library)")
     p.add_argument("--costs-only", action="store_true",
                    help="scale mode: per-cycle costs at each length only, no generations (fast)")
     _add_sampling_flags(p)
@@ -415,12 +419,15 @@ def _run_bench(args) -> None:
     from pathlib import Path
 
     from .bench import BenchConfig, humaneval_prompts, markdown_table, run_bench
+    from .bench_prompts import long_context_prompts
     from .data import encode_chat, read_prompts
     from .replay import replay_methods
 
-    for name in ("num_prompts", "repeats", "num_draft_tokens", "prompt_len", "draft_layers"):
+    for name in ("num_prompts", "repeats", "num_draft_tokens", "draft_layers"):
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.context is not None and min(args.context) < 2:
+        raise DFlashError("--context must all be at least 2 tokens")
     if args.draft_vocab is not None and (args.draft_vocab < 1 or not args.scale):
         raise DFlashError("--draft-vocab takes a positive count, in scale mode only (a real draft brings its own)")
     if min(args.lengths) < 1:
@@ -432,8 +439,6 @@ def _run_bench(args) -> None:
     group = _quiet_other_ranks()
     out = Path(args.out) if group is None or group.rank() == 0 else None  # (one writer)
     if args.scale:
-        import mlx.core as mx
-
         from .pair import set_draft_window
         from .scale import cycle_costs, null_tokenizer, random_draft, random_target
 
@@ -446,17 +451,16 @@ def _run_bench(args) -> None:
             from .draft_io import quantize_draft
 
             quantize_draft(draft, args.draft_quant)
-        bs = draft.block_size
-        prompts = [mx.random.randint(0, config["vocab_size"], (args.prompt_len,), key=mx.random.key(i)).tolist()
-                   for i in range(args.num_prompts)]
         proposers = replay_methods(draft, args.replay_mean, config["vocab_size"])
+        contexts = args.context or [128]
         if not args.costs_only:
-            print(markdown_table(run_bench(model, tokenizer, prompts, proposers, cfg, out_dir=out)))
+            for n, prompts in zip(contexts, _random_prompts(contexts, args.num_prompts, config["vocab_size"])):
+                _bench_context(model, tokenizer, prompts, proposers, cfg, None, out, n, len(contexts) > 1)
         if out is None:
             return
         out.mkdir(parents=True, exist_ok=True)
-        costs = [cycle_costs(model, draft, n, bs, tree_budgets=cfg.tree_budgets)
-                 for n in sorted({args.prompt_len, *args.lengths})]
+        costs = [cycle_costs(model, draft, n, draft.block_size, tree_budgets=cfg.tree_budgets)
+                 for n in sorted({*contexts, *args.lengths})]
         (out / "cycle_costs.json").write_text(json.dumps(costs, indent=1))
         for c in costs:
             print(json.dumps(c))
@@ -470,7 +474,6 @@ def _run_bench(args) -> None:
     ar_draft = load_target(args.ar_draft)[0] if args.ar_draft else None
     texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
     texts = texts[: args.num_prompts]
-    prompts = [encode_chat(tokenizer, t) if args.chat else tokenizer.encode(t) for t in texts]
     sampling = _sampling_from_args(args)
     proposers = {"dflash": draft, "dflash_adaptive": draft, **{f"dflash_tree{b}": draft for b in args.tree_budgets or ()}}
     if args.replay:
@@ -478,8 +481,33 @@ def _run_bench(args) -> None:
     if not sampling.greedy:  # the exact-match scheme of earlier engines, for comparison
         proposers["dflash_match"] = draft
     cfg.sampling = sampling
-    summary = run_bench(model, tokenizer, prompts, proposers, cfg, ar_draft=ar_draft, out_dir=out)
-    print(markdown_table(summary))
+    if not args.context:
+        prompts = [encode_chat(tokenizer, t) if args.chat else tokenizer.encode(t) for t in texts]
+        print(markdown_table(run_bench(model, tokenizer, prompts, proposers, cfg, ar_draft=ar_draft, out_dir=out)))
+        return
+    for n in args.context:
+        prompts = long_context_prompts(tokenizer, texts, n, args.context_source, args.chat)
+        _bench_context(model, tokenizer, prompts, proposers, cfg, ar_draft, out, n, True)
+
+
+def _random_prompts(contexts: list[int], count: int, vocab_size: int) -> list[list[list[int]]]:
+    """Scale mode's prompts: ``count`` of random ids per context length."""
+    import mlx.core as mx
+
+    return [[mx.random.randint(0, vocab_size, (n,), key=mx.random.key(i)).tolist() for i in range(count)]
+            for n in contexts]
+
+
+def _bench_context(model, tokenizer, prompts, proposers, cfg, ar_draft, out, context: int, apart: bool) -> None:
+    """One bench run over prompts of ``context`` tokens; ``apart``: under its own heading and
+    in its own folder (``OUT/context-N``), one of several contexts."""
+    from .bench import markdown_table, run_bench
+
+    folder = out / f"context-{context}" if apart and out is not None else out
+    if apart:
+        lengths = sorted(len(p) for p in prompts)
+        print(f"\n## context {context}: prompts of {lengths[0]}-{lengths[-1]} tokens", flush=True)
+    print(markdown_table(run_bench(model, tokenizer, prompts, proposers, cfg, ar_draft=ar_draft, out_dir=folder)))
 
 
 def _add_serve(sub) -> None:

@@ -155,9 +155,10 @@ def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, it
     proposer.start(target)
     cache = target.make_cache()
     prompt = mx.random.randint(0, target.vocab_size, (1, context_len)).astype(mx.uint32)
-    _, features = target(prompt, cache)
-    proposer.add_context(features)
-    mx.eval([c.state for c in cache])
+    for start in range(0, context_len, target.options.prefill_step):  # (in chunks, as a prompt is)
+        _, features = target(prompt[:, start : start + target.options.prefill_step], cache, prompt=True)
+        proposer.add_context(features)
+        mx.eval([c.state for c in cache], proposer.state)
     first = mx.array([1], dtype=mx.uint32)
     block = mx.random.randint(0, target.vocab_size, (1, block_size)).astype(mx.uint32)
 
