@@ -393,7 +393,7 @@ def _add_bench(sub) -> None:
                    "policy these trees (default: chains only)")
     p.add_argument("--out", default="bench_out", help="folder for results.json, results.md and PNG plots")
     p.add_argument("--scale", default=None, help="scale mode: a random-weight target of this shape "
-                   "(qwen3-4b/8b/14b, qwen3.5-4b/9b/27b) with a replay draft")
+                   "(qwen3-4b/8b/14b, qwen3-30b-a3b, qwen3.5-4b/9b/27b) with a replay draft")
     p.add_argument("--quant", type=int, choices=[4, 8], default=None, help="scale mode: quantize the target")
     p.add_argument("--replay", action="store_true",
                    help="a real target with replayed proposals (mean acceptance --replay-mean; the draft, or a random "

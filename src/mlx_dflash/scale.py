@@ -32,6 +32,12 @@ SHAPES = {
                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
     "qwen3-14b": {"model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 40, "intermediate_size": 17408,
                   "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+    # 128 experts, 8 active a token: ~3B of its 30B weights read a step
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                      "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "norm_topk_prob": True, "num_attention_heads": 32, "num_key_value_heads": 4,
+                      "head_dim": 128, "tie_word_embeddings": False},
     # SmolLM2-135M's depth at negligible width: a step is all host work
     "deep-thin": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 30, "intermediate_size": 128,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
