@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .distributed import from_rank_zero, shared_seed
 from .policy import BlockPolicy, CycleClock
@@ -70,7 +71,9 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
     same calls give the same kernels: a token's logits from a one-row pass and from the last
     row of a chunk differ in their last bits, enough to flip a bf16 near-tie on a GPU.)
     A ``prefix_cache`` first restores the longest stored start of the prompt, and keeps the
-    state before the last token for later prompts; also returns how many tokens it restored."""
+    state before the last token for later prompts where the caches cannot be cut back (key/value
+    caches are kept with the reply, at the end: ``decode_cycles``); also returns how many tokens
+    it restored."""
     head = prompt[:-1].tolist() if prefix_cache is not None else []
     reused = prefix_cache.resume(target, proposer, cache, head) if prefix_cache is not None else 0
     for start in range(reused, prompt.size - 1, step):
@@ -80,7 +83,8 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
         mx.eval([c.state for c in cache], proposer.state)  # (the draft's context is prompt work)
         if progress is not None:
             progress(end, prompt.size)
-    if prefix_cache is not None and reused < len(head):
+    # (key/value caches are kept with the reply, at the generation's end: a copy fewer here)
+    if prefix_cache is not None and reused < len(head) and not all(isinstance(c, KVCache) for c in cache):
         prefix_cache.store(target, proposer, cache, head)
     logits, features = target(prompt[None, -1:], cache)
     proposer.add_context(features)
@@ -244,12 +248,12 @@ def decode_cycles(
                              prefix_cache)
     first = first_token(sampling, logits[None], prompt)  # [1]
     latest, emitted = first.item(), 1
-    yield Cycle([latest], None, reused_prompt_tokens=reused)
-
     runner = BlockRunner(target, proposer, cache, block_size, sampling, policy, prompt.tolist(), tree_budget)
-    block = runner.launch(first, *runner.next_size(max_tokens - emitted)) if emitted < max_tokens else None
-    exact = block is None  # whether the caches hold just the committed tokens (but the latest)
+    exact = True  # whether the caches hold just the committed tokens (but the latest)
     try:
+        yield Cycle([latest], None, reused_prompt_tokens=reused)
+        block = runner.launch(first, *runner.next_size(max_tokens - emitted)) if emitted < max_tokens else None
+        exact = block is None
         while block is not None:
             # Roll back before the read where the device knows the count, and queue the next cycle.
             queued = choice = None
