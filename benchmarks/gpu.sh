@@ -9,6 +9,10 @@
 #                 128/256/1,024 tokens: what the adaptive policy keeps of mlx-lm's speed
 #   prefix        time to first token of a chat turn after a 4,000-token history, cold and with the
 #                 prefix cache (Qwen3-8B shape, random weights)
+#   context       the Qwen3.5-9B-shape replay after prompts of 2k, 8k, 16k and 32k tokens
+#   quantized     4-bit Qwen3.5-27B and Qwen3-30B-A3B shapes (replay) after 1k and 8k tokens
+#   context-pair  the default pair (bfloat16) after 2k and 7k tokens of source files, with the
+#                 draft's trained context window and with the whole context (--draft-window 0)
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (16), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
@@ -47,6 +51,20 @@ for part in "${PARTS[@]}"; do
       done ;;
     prefix)
       python3 benchmarks/prefix_cache.py --scale qwen3-8b --history 4000 | tee "$RESULTS/prefix.txt" ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix)" >&2; exit 2 ;;
+    context)
+      mlx-dflash bench --scale qwen3.5-9b --replay-mean 6.5 --num-prompts 1 --lengths 512 \
+        --context 2048 8192 16384 32768 --out "$RESULTS/context" | tee "$RESULTS/context.md" ;;
+    quantized)
+      for shape in qwen3.5-27b qwen3-30b-a3b; do
+        mlx-dflash bench --scale $shape --quant 4 --replay-mean 6.5 --num-prompts 1 --lengths 512 \
+          --context 1024 8192 --out "$RESULTS/quantized-$shape" | tee "$RESULTS/quantized-$shape.md"
+      done ;;
+    context-pair)
+      model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
+      for window in 768 0; do
+        mlx-dflash bench --model "$model" --draft "$DRAFT" "${PROMPT_ARGS[@]}" --num-prompts 3 --lengths 512 \
+          --context 2048 7168 --draft-window $window --out "$RESULTS/context-pair-w$window" | tee "$RESULTS/context-pair-w$window.md"
+      done ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair)" >&2; exit 2 ;;
   esac
 done
