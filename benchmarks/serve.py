@@ -8,7 +8,9 @@ each client count, timed, stopped, one after the other). At each client count C,
 send ``--requests`` streamed greedy chat requests (HumanEval prompts, one after the other)
 through the official ``openai`` client. Reported per server and C: completion tokens per second over the wall time
 of all C clients, and the median and 95th percentile of the time to first token and of the time
-per output token after it. Markdown on stdout; ``--json FILE`` keeps every request's figures.
+per output token after it, and how many replies ran to ``--max-tokens`` (often loops, easy to draft:
+they flatter a speculative server's aggregate) with their share of the tokens. Markdown on stdout;
+``--json FILE`` keeps every request's figures.
 """
 
 import argparse
@@ -57,7 +59,7 @@ def start(command: list[str], port: int) -> subprocess.Popen:
 
 def one_request(client: OpenAI, name: str, prompt: str, max_tokens: int) -> dict:
     tic = time.perf_counter()
-    first, pieces, usage = None, [], None
+    first, pieces, usage, finish = None, [], None, None
     stream = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0.0, stream=True,
                                             stream_options={"include_usage": True})
@@ -66,11 +68,12 @@ def one_request(client: OpenAI, name: str, prompt: str, max_tokens: int) -> dict
             first = first or time.perf_counter()
             pieces.append(chunk.choices[0].delta.content)
         usage = chunk.usage or usage
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
     end = time.perf_counter()
     tokens = usage.completion_tokens if usage else len(pieces)
     first = first or end
     return {"ttft_s": first - tic, "tokens": tokens, "seconds": end - tic,
-            "per_token_s": (end - first) / max(tokens - 1, 1), "text": "".join(pieces)}
+            "per_token_s": (end - first) / max(tokens - 1, 1), "text": "".join(pieces), "finish_reason": finish}
 
 
 def run_clients(port: int, name: str, clients: int, requests: int, prompts: list[str], max_tokens: int) -> dict:
@@ -85,10 +88,12 @@ def run_clients(port: int, name: str, clients: int, requests: int, prompts: list
     wall = time.perf_counter() - tic
     ttft = sorted(r["ttft_s"] for r in results)
     per_token = sorted(r["per_token_s"] for r in results)
+    capped = [r for r in results if r["finish_reason"] == "length"]
     p95 = lambda xs: xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]  # noqa: E731
     return {"clients": clients, "tok_s": sum(r["tokens"] for r in results) / wall,
             "ttft_p50": statistics.median(ttft), "ttft_p95": p95(ttft),
             "per_token_p50_ms": 1000 * statistics.median(per_token), "per_token_p95_ms": 1000 * p95(per_token),
+            "at_cap": len(capped), "at_cap_token_share": sum(r["tokens"] for r in capped) / max(sum(r["tokens"] for r in results), 1),
             "requests": results}
 
 
@@ -123,11 +128,12 @@ def main() -> None:
         finally:
             process.terminate()
             process.wait(timeout=60)
-    print("| server | clients | aggregate tok/s | TTFT p50 / p95 s | per token p50 / p95 ms |")
-    print("|---|---|---|---|---|")
+    print("| server | clients | aggregate tok/s | TTFT p50 / p95 s | per token p50 / p95 ms | at the cap (token share) |")
+    print("|---|---|---|---|---|---|")
     for label, r in rows:
         print(f"| {label} | {r['clients']} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
-              f"{r['per_token_p50_ms']:.1f} / {r['per_token_p95_ms']:.1f} |")
+              f"{r['per_token_p50_ms']:.1f} / {r['per_token_p95_ms']:.1f} | "
+              f"{r['at_cap']}/{len(r['requests'])} ({r['at_cap_token_share']:.0%}) |")
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1))
 

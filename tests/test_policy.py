@@ -402,3 +402,24 @@ def test_costs_are_kept_apart_per_key():
     assert policy.seconds == {1: 0.02}
     policy.use_costs(2)
     assert policy.seconds == two and policy.cost_tables[16][0] == {1: 0.02}
+
+
+def test_a_batch_expects_its_rows_mean_acceptance():
+    """One cost buys every row's tokens: the acceptance a batch's policy learns is its rows'
+    mean, not its first row's. Blocks of b tokens cost 1 + 0.2 (b - 1) plain steps (a CPU).
+    The first of 16 rows loops (accepts every draft), the others accept none: plain decoding
+    wins (16 tokens a step; (16 + 15) / 4 a step's worth with full blocks). The first row's
+    drafts all fail and the other 15 rows accept everything: full blocks win."""
+    for rows, settled in (([16] + [1] * 15, 1), ([1] + [16] * 15, 16)):
+        policy = BlockPolicy(16, tree_budgets=())
+        chosen = []
+        for _ in range(300):
+            block = policy.choose()
+            forecast = policy.wants_forecast
+            seconds = 1.0 + 0.2 * (block - 1)
+            if forecast:  # (a plain step's forecast is the first row's, as BatchDecoder's)
+                policy.record_cycle(1, [0], seconds, [0] * 15 if rows[0] == 16 else [1] * 15)
+            else:
+                policy.record_rows(block, [min(a, block) for a in rows], seconds)
+            chosen.append(block)
+        assert chosen[150:].count(settled) > 120, (rows[0], chosen[150:])

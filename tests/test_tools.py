@@ -90,3 +90,6 @@ def test_serve_benchmark(pair, tmp_path):
     assert len(rows) == 6  # (three servers, two client counts)
     figures = json.loads((tmp_path / "serve.json").read_text())
     assert all(r["tokens"] >= 1 for runs in figures.values() for run in runs for r in run["requests"])
+    # (4 tokens: the tiny models' replies all run to the cap, and are counted there)
+    assert all(run["at_cap"] == len(run["requests"]) for runs in figures.values() for run in runs)
+    assert all(row.endswith("(100%) |") for row in rows)

@@ -173,9 +173,12 @@ class BatchDecoder:
             row.tokens += committed
             row.first = c[a]
             out[row_id] = committed
-        if self.policy is not None:  # (acceptance as the first row saw it; the whole batch's cost)
-            self.policy.record_cycle(L, out[self.order[0]], time.perf_counter() - tic,
-                                     guess.tolist() if forecast else None)
+        if self.policy is not None:  # (every row's acceptance; the whole batch's cost)
+            seconds = time.perf_counter() - tic
+            if forecast:  # plain steps: the first row's forecast checked against its tokens
+                self.policy.record_cycle(L, out[self.order[0]], seconds, guess.tolist())
+            else:
+                self.policy.record_rows(L, [a + 1 for a in accepted], seconds)
         for row_id in [r for r in self.order if self.rows[r].done]:
             self.remove(row_id)
         return out

@@ -273,22 +273,37 @@ class BlockPolicy:
     def record(self, block: int, acceptance: int, seconds: float, forecast: bool = False) -> None:
         """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall
         time; ``forecast``: it also drafted a forecast, so its time is not its size's."""
+        self.record_rows(block, [acceptance], seconds, forecast)
+
+    def record_rows(self, block: int, acceptances: list[int], seconds: float, forecast: bool = False) -> None:
+        """One finished cycle of a batch: every row's a + 1 (the acceptance the policy expects is
+        the rows' mean: one cost buys them all), the cycle's wall time."""
         self.cycles += 1
         if self.history is not None:
-            self.history.append((block, acceptance, seconds, forecast))
-        accepted = acceptance - 1
+            mean = acceptances[0] if len(acceptances) == 1 else sum(acceptances) / len(acceptances)
+            self.history.append((block, mean, seconds, forecast))
         self.slot_checked = [n * self.slot_decay for n in self.slot_checked]
         self.slot_accepted = [n * self.slot_decay for n in self.slot_accepted]
         self.tree_tokens = {size: (t * self.slot_decay, c * self.slot_decay) for size, (t, c) in self.tree_tokens.items()}
+        for acceptance in acceptances:
+            self._count_slots(block, acceptance)
+        self._time(block, seconds, forecast)
+
+    def _count_slots(self, block: int, acceptance: int) -> None:
+        """A cycle's drafts: each slot up to the first rejected one checked, those before it accepted."""
+        accepted = acceptance - 1
         if block > self.max_block:  # a tree: its slots are not the chain's
             tokens, cycles = self.tree_tokens.get(block, (0.0, 0.0))
             self.tree_tokens[block] = (tokens + acceptance, cycles + 1)
-        else:
-            for k in range(1, accepted + 1):
-                self.slot_checked[k] += 1
-                self.slot_accepted[k] += 1
-            if accepted + 1 < block:  # the first rejected slot
-                self.slot_checked[accepted + 1] += 1
+            return
+        for k in range(1, accepted + 1):
+            self.slot_checked[k] += 1
+            self.slot_accepted[k] += 1
+        if accepted + 1 < block:  # the first rejected slot
+            self.slot_checked[accepted + 1] += 1
+
+    def _time(self, block: int, seconds: float, forecast: bool) -> None:
+        """A cycle's wall time: its size's cost, where it is that size's steady cost."""
         steady, self.previous_block = self.previous_block == block, block
         if block not in self.sizes:  # a block of another size (a caller's own limit): no cost to learn
             return
