@@ -1,15 +1,17 @@
-"""A prefix cache: the state after a prompt's prefill, reused by later prompts that start with it.
+"""A prefix cache: the state after a prompt and its reply, reused by later prompts that start with it.
 
 Chat clients and agent loops resend a growing history every turn; without a cache every turn
-pays the whole prefill again. After each prefill the engine stores the target's caches (keys
-and values; a hybrid target's recurrent states too) and the draft's context at the prompt's
-boundary (all but its last token, which a generation always runs itself); a later prompt
-restores the longest stored prefix of it and prefills only the rest. Key/value caches can be
-cut back, so a stored prompt that shares only part of a new one serves that part too; a
-recurrent state cannot, so hybrid targets reuse whole stored prompts only (each turn of a chat
-starts with the previous turn's prompt, so those hit as well). A generation also stores its
-prompt and reply when it ends (``engine.decode_cycles``; the server's batch in
-``batch.BatchDecoder.remove``): a chat's next turn resends both, and prefills only its new message.
+pays the whole prefill again. When a generation ends (or its caller stops it early) the engine
+stores the target's caches (keys and values; a hybrid target's recurrent states too) and the
+draft's context after its prompt and reply, all but the latest token (``engine.decode_cycles``;
+the server's batch in ``batch.BatchDecoder.remove``); a later prompt restores the longest
+stored prefix of it and prefills only the rest: a chat's next turn, only its new message.
+Key/value caches can be cut back, so an entry that shares only part of a new prompt serves that
+part too. A recurrent state (or a sliding window that has wrapped) cannot: it is kept after a
+reply only where the generation's last cycle ended exactly there, so targets with such caches
+also store each prompt after its prefill (all but its last token, which a generation always
+runs itself) and reuse whole stored prompts (each turn of a chat starts with the previous
+turn's prompt, so those hit as well).
 
 The entries live in mlx-lm's ``LRUPromptCache`` (a trie of token sequences, least recently
 used evicted first) bounded by bytes; each entry's caches are copied in and copied out, so
