@@ -423,3 +423,20 @@ def test_a_batch_expects_its_rows_mean_acceptance():
                 policy.record_rows(block, [min(a, block) for a in rows], seconds)
             chosen.append(block)
         assert chosen[150:].count(settled) > 120, (rows[0], chosen[150:])
+
+
+def test_a_new_row_count_drops_a_forecast_under_way():
+    """A batch's forecast still being checked when rows join (a fresh cost table, nothing timed
+    in it) is dropped, not judged against no costs (that raised ValueError in the server)."""
+    policy = BlockPolicy(16, tree_budgets=())
+    policy.use_costs(2)
+    for _ in range(300):  # useless drafts: plain decoding wins and probes come as forecasts
+        block = policy.choose()
+        if policy.wants_forecast:
+            policy.record_cycle(1, [0], 1.0, [0] * 15)  # (its first guess right: still under way)
+            break
+        policy.record_rows(block, [1, 1], 2.0 if block > 1 else 1.0)
+    assert policy.forecasting
+    policy.use_costs(4)
+    assert not policy.forecasting and policy.choose() == 16  # (the new count's warm-up: its largest block)
+    policy.record_rows(16, [1] * 4, 2.0)

@@ -179,6 +179,7 @@ class BatchDecoder:
                 self.policy.record_cycle(L, out[self.order[0]], seconds, guess.tolist())
             else:
                 self.policy.record_rows(L, [a + 1 for a in accepted], seconds)
+                self.policy.observe(out[self.order[0]])  # (a forecast's later guesses: the first row's tokens)
         for row_id in [r for r in self.order if self.rows[r].done]:
             self.remove(row_id)
         return out

@@ -148,6 +148,9 @@ class BlockPolicy:
         self.cost_tables[self.cost_key] = (self.seconds, self.samples)
         self.seconds, self.samples = self.cost_tables.pop(key, ({}, {}))
         self.cost_key, self.previous_block, self.timed_previous = key, None, None  # (no steady cycle across keys)
+        # A probe or forecast under way is judged against the costs it was chosen by: dropped
+        # (the new key's table may not have a timed size to judge it against).
+        self.probing, self.forecasting, self.forecast_is_probe, self.guess = None, False, False, None
 
     def expected_tokens(self, block: int) -> float:
         """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it).
