@@ -220,3 +220,5 @@ def test_long_context_prompts(tmp_path, capsys):
         summary = json.loads((out / f"context-{context}" / "results.json").read_text())["summary"]
         assert summary["dflash@6"]["token_match"] == {"0": True, "1": True}
     assert main(["bench", "--context", "1"]) == 2
+    assert main(["bench", "--model", model_dir, "--draft", draft_dir, "--context", "2040", "--lengths", "16"]) == 2
+    assert "passes the model's context of 2048 tokens" in capsys.readouterr().err

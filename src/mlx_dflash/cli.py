@@ -455,7 +455,7 @@ def _run_bench(args) -> None:
         contexts = args.context or [128]
         if not args.costs_only:
             for n, prompts in zip(contexts, _random_prompts(contexts, args.num_prompts, config["vocab_size"])):
-                _bench_context(model, tokenizer, prompts, proposers, cfg, None, out, n, len(contexts) > 1)
+                _bench_context(model, tokenizer, prompts, proposers, cfg, None, out, n, args.context is not None)
         if out is None:
             return
         out.mkdir(parents=True, exist_ok=True)
@@ -465,7 +465,7 @@ def _run_bench(args) -> None:
         for c in costs:
             print(json.dumps(c))
         return
-    from .target import load_target, text_args
+    from .target import context_length, load_target, text_args
 
     if args.replay:
         model, tokenizer, draft = _replay_pair(args, group)
@@ -485,6 +485,10 @@ def _run_bench(args) -> None:
         prompts = [encode_chat(tokenizer, t) if args.chat else tokenizer.encode(t) for t in texts]
         print(markdown_table(run_bench(model, tokenizer, prompts, proposers, cfg, ar_draft=ar_draft, out_dir=out)))
         return
+    room = context_length(model)
+    if room is not None and max(args.context) + max(args.lengths) > room:
+        raise DFlashError(f"--context {max(args.context)} plus --lengths {max(args.lengths)} passes the model's "
+                          f"context of {room} tokens")
     for n in args.context:
         prompts = long_context_prompts(tokenizer, texts, n, args.context_source, args.chat)
         _bench_context(model, tokenizer, prompts, proposers, cfg, ar_draft, out, n, True)
