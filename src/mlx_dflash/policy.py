@@ -108,7 +108,7 @@ class BlockPolicy:
         self.cost_tables: dict[Hashable, tuple[dict[int, float], dict[int, int]]] = {}  # the other keys'
         # (block, acceptance, seconds, forecast) of each recorded cycle, when a caller sets a list
         # here (the benchmark, per generation: what the policy saw, to explain what it chose)
-        self.history: list[tuple[int, int, float, bool]] | None = None
+        self.history: list[tuple[int, float, float, bool]] | None = None  # (a batch: its rows' mean acceptance)
         self.probe_every = PROBE_START
         self.wants_forecast = False  # set by ``choose``: draft a forecast beside this plain step
         self.start_text()
