@@ -454,7 +454,8 @@ def _run_bench(args) -> None:
         proposers = replay_methods(draft, args.replay_mean, config["vocab_size"])
         contexts = args.context or [128]
         if not args.costs_only:
-            for n, prompts in zip(contexts, _random_prompts(contexts, args.num_prompts, config["vocab_size"])):
+            for n in contexts:
+                prompts = _random_prompts(n, args.num_prompts, config["vocab_size"])
                 _bench_context(model, tokenizer, prompts, proposers, cfg, None, out, n, args.context is not None)
         if out is None:
             return
@@ -494,12 +495,11 @@ def _run_bench(args) -> None:
         _bench_context(model, tokenizer, prompts, proposers, cfg, ar_draft, out, n, True)
 
 
-def _random_prompts(contexts: list[int], count: int, vocab_size: int) -> list[list[list[int]]]:
-    """Scale mode's prompts: ``count`` of random ids per context length."""
+def _random_prompts(length: int, count: int, vocab_size: int) -> list[list[int]]:
+    """Scale mode's prompts: ``count`` of ``length`` random ids."""
     import mlx.core as mx
 
-    return [[mx.random.randint(0, vocab_size, (n,), key=mx.random.key(i)).tolist() for i in range(count)]
-            for n in contexts]
+    return [mx.random.randint(0, vocab_size, (length,), key=mx.random.key(i)).tolist() for i in range(count)]
 
 
 def _bench_context(model, tokenizer, prompts, proposers, cfg, ar_draft, out, context: int, apart: bool) -> None:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from .distributed import from_rank_zero, shared_seed
 from .policy import BlockPolicy, CycleClock
@@ -83,9 +82,8 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
         mx.eval([c.state for c in cache], proposer.state)  # (the draft's context is prompt work)
         if progress is not None:
             progress(end, prompt.size)
-    # (key/value caches are kept with the reply, at the generation's end: a copy fewer here)
-    if prefix_cache is not None and reused < len(head) and not all(isinstance(c, KVCache) for c in cache):
-        prefix_cache.store(target, proposer, cache, head)
+    if prefix_cache is not None and reused < len(head):
+        prefix_cache.store_prompt(target, proposer, cache, head)
     logits, features = target(prompt[None, -1:], cache)
     proposer.add_context(features)
     return logits[0, -1], reused

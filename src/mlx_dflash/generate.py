@@ -4,6 +4,7 @@ streamed text, with EOS and stop strings, the model's context bound, and statist
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
@@ -230,7 +231,7 @@ def stream_generate(
     tic = time.perf_counter()
     cycles = decode_cycles(target, proposer, prompt, max_tokens, block_size, sampling, policy, prompt_progress,
                            tree_budget=fixed_tree, prefix_cache=prefix_cache)
-    try:
+    with closing(cycles):  # (closed at once, not when collected: a prefix cache keeps the reply then)
         for n_cycle, cycle in enumerate(cycles):
             if n_cycle == 0:
                 prefill_s, reused = time.perf_counter() - tic, cycle.reused_prompt_tokens
@@ -254,8 +255,6 @@ def stream_generate(
                 if target.group is not None:
                     check_agreement(output.tokens, target.group)
                 return
-    finally:  # (now, not when collected: a prefix cache keeps the reply as the engine ends)
-        cycles.close()
 
 
 def generate(

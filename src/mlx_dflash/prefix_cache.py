@@ -24,7 +24,7 @@ import copy
 from typing import Any, Hashable
 
 import mlx.core as mx
-from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.models.cache import KVCache, LRUPromptCache
 
 from .draft_cache import DraftContextCache
 from .errors import DFlashError
@@ -92,6 +92,12 @@ class PrefixCache:
         mx.eval([c.state for c in copies])  # (materialized: not a graph over the generation it came from)
         if sum(c.nbytes for c in copies) <= self.max_bytes:
             self.entries.insert_cache(_pair(target, proposer), list(prefix), copies)
+
+    def store_prompt(self, target: Target, proposer: Proposer, cache: list[Any], prefix: list[int]) -> None:
+        """Keep the state after a prompt's prefill where the generation's end may not be able to:
+        key/value caches are always cut back to the prompt and reply then (a copy fewer here)."""
+        if not all(isinstance(c, KVCache) for c in cache):
+            self.store(target, proposer, cache, prefix)
 
     def stats(self) -> dict:
         """What ``/health`` reports under ``prefix_cache``."""

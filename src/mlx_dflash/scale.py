@@ -19,6 +19,7 @@ import numpy as np
 
 from .distributed import check_shardable
 from .draft import DFlashDraft, create_random_draft
+from .engine import prefill
 from .proposer import DFlashProposer
 from .errors import DFlashError
 from .policy import TREE_BUDGETS
@@ -160,11 +161,9 @@ def cycle_costs(model, draft: DFlashDraft, context_len: int, block_size: int, it
     proposer = DFlashProposer(draft)
     proposer.start(target)
     cache = target.make_cache()
-    prompt = mx.random.randint(0, target.vocab_size, (1, context_len)).astype(mx.uint32)
-    for start in range(0, context_len, target.options.prefill_step):  # (in chunks, as a prompt is)
-        _, features = target(prompt[:, start : start + target.options.prefill_step], cache, prompt=True)
-        proposer.add_context(features)
-        mx.eval([c.state for c in cache], proposer.state)
+    prompt = mx.random.randint(0, target.vocab_size, (context_len,)).astype(mx.uint32)
+    prefill(target, proposer, prompt, cache, target.options.prefill_step)
+    mx.eval([c.state for c in cache], proposer.state)
     first = mx.array([1], dtype=mx.uint32)
     block = mx.random.randint(0, target.vocab_size, (1, block_size)).astype(mx.uint32)
 
