@@ -1,7 +1,9 @@
 """A target sharded over two processes (mlx.launch, ring backend on this host): every shardable
 family's greedy tokens equal the single-process run's (mlx-lm's greedy) on every path, both
 processes commit the same tokens, sampled too (one shared seed), the CLI prints once with the
-sharding in its stats line, and a family mlx-lm cannot shard fails with one line."""
+sharding in its stats line, and a family mlx-lm cannot shard fails with one line. Qwen3-Next is
+pipelined (each process runs half of the layers, the draft's taps on both halves); the others
+are tensor-parallel."""
 
 import json
 import os
@@ -14,7 +16,7 @@ from tiny_models import free_port, greedy_reference, load_tiny, tiny_pair_files,
 
 from sharded_worker import MAX_TOKENS, PATHS, PROMPT
 
-SHARDED = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss"]
+SHARDED = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_next"]
 LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--"]
 
 
@@ -22,7 +24,8 @@ LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", 
 def sharded_runs(tiny_dir):
     folders = {family: tiny_dir / f"sharded-{family}" for family in SHARDED}
     for family, folder in folders.items():
-        tiny_pair_files(folder, family, block_size=8, tie=family != "qwen3_5")  # (qwen3_5: its head sharded too)
+        taps = [1, 4] if family == "qwen3_next" else None  # (pipelined: a tap in each process's layers)
+        tiny_pair_files(folder, family, block_size=8, taps=taps, tie=family != "qwen3_5")  # (qwen3_5: its head sharded too)
     out = tiny_dir / "sharded-out"
     out.mkdir()
     run = subprocess.run([*LAUNCH, sys.executable, str(Path(__file__).parent / "sharded_worker.py"), str(out),
@@ -46,13 +49,22 @@ def test_sharded_tokens_equal_the_single_process_greedy_tokens(sharded_runs, fam
     assert len(runs[0]["sampled"]) == MAX_TOKENS
 
 
-def test_cli_prints_once_and_names_the_sharding(sharded_runs):
+def test_the_draft_taps_layers_of_both_pipeline_stages(sharded_runs):
     folders, _ = sharded_runs
-    folder = folders["qwen3"]
+    config = json.loads((folders["qwen3_next"] / "draft" / "config.json").read_text())
+    layers = config["num_target_layers"]
+    taps = config["dflash_config"]["target_layer_ids"]
+    assert min(taps) < layers // 2 <= max(taps)  # (process 1 runs the first half, process 0 the rest)
+
+
+def test_cli_prints_once_and_names_the_sharding(sharded_runs):
+    """The pipelined family here (the server test below runs a tensor-parallel one)."""
+    folders, _ = sharded_runs
+    folder = folders["qwen3_next"]
     run = subprocess.run([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", str(folder / "target"),
                           "--draft", str(folder / "draft"), "--prompt", PROMPT, "--no-chat", "--max-tokens", "8"],
                          capture_output=True, text=True, timeout=300)
-    assert run.stdout.count("tensor-parallel over 2 processes") == 1, run.stdout + run.stderr
+    assert run.stdout.count("pipeline-parallel over 2 processes") == 1, run.stdout + run.stderr
 
 
 def test_a_family_mlx_lm_cannot_shard_fails_with_one_line(tiny_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -111,13 +112,16 @@ def tiny_pair(path: Path, family: str, prompt_text: str, reference_tokens: int, 
     return model, tokenizer, prompt, greedy_reference(model, prompt, reference_tokens)
 
 
-def tiny_pair_files(folder: Path, family: str, block_size: int = 16, **overrides) -> tuple[str, str]:
-    """(model folder, draft folder): a tiny target and a random one-layer draft for it, on disk."""
+def tiny_pair_files(folder: Path, family: str, block_size: int = 16, taps: Optional[list[int]] = None,
+                    **overrides) -> tuple[str, str]:
+    """(model folder, draft folder): a tiny target and a random one-layer draft for it (tapping
+    the target's layers ``taps``, by default the draft's own choice), on disk."""
     from mlx_dflash import create_random_draft, save_draft
 
     target = make_tiny_target(folder / "target", family, **overrides)
     config = json.loads((target / "config.json").read_text())
-    draft = create_random_draft(config, num_layers=1, block_size=block_size, mask_token_id=MASK_ID)
+    draft = create_random_draft(config, num_layers=1, block_size=block_size, mask_token_id=MASK_ID,
+                                target_layer_ids=taps)
     return str(target), str(save_draft(draft, folder / "draft"))
 
 

@@ -233,11 +233,11 @@ def _replay_pair(args, group):
 
 
 def _sharding_note(model) -> str:
-    """' | tensor-parallel over N processes' for a sharded target, else ''."""
+    """' | tensor-parallel over N processes' (or pipeline-) for a sharded target, else ''."""
     from .distributed import describe, sharding_group
 
     group = sharding_group(model)
-    return "" if group is None else f" | {describe(group)}"
+    return "" if group is None else f" | {describe(model, group)}"
 
 
 def _run_generate(args) -> None:

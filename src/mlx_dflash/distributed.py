@@ -10,8 +10,10 @@ generation ends with a check that all processes committed the same tokens (``che
 Process 0 alone prints, writes and serves; in ``serve`` the others follow its requests
 (``send_job`` / ``receive_job``).
 
-Pipeline parallelism is not offered: the draft reads hidden states from layers spread over every
-stage, and the families mlx-lm pipelines only (Qwen3-Next) are refused at load time.
+A family mlx-lm pipelines instead (Qwen3-Next: each process holds some of the layers, the
+hidden state passed from stage to stage and the last stage's output gathered to all) runs
+pipeline-parallel: each process has the tapped outputs of its own layers only, and a sum over
+the processes (zeros elsewhere, so exact) gives every process all of them (``Target``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from .errors import DFlashError
 
 Group = mx.distributed.Group
 # Families the engine supports whose mlx-lm model has ``shard()`` (tested: tests/test_sharded.py).
-TENSOR_PARALLEL = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss"}
+TENSOR_PARALLEL = {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss"}
+# Families mlx-lm pipelines (``model.model.pipeline()``) but cannot shard tensor-parallel.
+PIPELINE_PARALLEL = {"qwen3_next"}
 
 
 def world() -> Optional[Group]:
@@ -38,8 +42,15 @@ def world() -> Optional[Group]:
     return group if group.size() > 1 else None
 
 
+def pipeline_stages(model: nn.Module) -> int:
+    """How many processes a model's layers are pipelined over (1: not pipelined)."""
+    return getattr(getattr(model, "model", None), "pipeline_size", 1)
+
+
 def sharding_group(model: nn.Module) -> Optional[Group]:
     """The group a model's layers are sharded over (None: not sharded)."""
+    if pipeline_stages(model) > 1:
+        return mx.distributed.init()  # (mlx-lm's stages talk over the global group)
     for module in model.modules():
         group = getattr(module, "group", None) or getattr(module, "sharding_group", None)
         if isinstance(group, Group) and group.size() > 1:
@@ -47,14 +58,25 @@ def sharding_group(model: nn.Module) -> Optional[Group]:
     return None
 
 
-def describe(group: Group) -> str:
-    return f"tensor-parallel over {group.size()} processes"
+def describe(model: nn.Module, group: Group) -> str:
+    kind = "pipeline" if pipeline_stages(model) > 1 else "tensor"
+    return f"{kind}-parallel over {group.size()} processes"
 
 
 def check_shardable(family: str, group: Group) -> None:
-    if family not in TENSOR_PARALLEL:
+    if family not in TENSOR_PARALLEL | PIPELINE_PARALLEL:
         raise DFlashError(f"a {family} target cannot be sharded over {group.size()} processes: mlx-dflash shards "
-                          f"{', '.join(sorted(TENSOR_PARALLEL))} (tensor parallel, through mlx-lm's shard())")
+                          f"{', '.join(sorted(TENSOR_PARALLEL))} (tensor parallel, through mlx-lm's shard()) and "
+                          f"{', '.join(sorted(PIPELINE_PARALLEL))} (pipeline parallel, through mlx-lm's pipeline())")
+
+
+def shard(model: nn.Module, family: str, group: Group) -> None:
+    """Split a (lazily loaded) model over ``group`` the way mlx-lm offers for its family."""
+    check_shardable(family, group)
+    if family in TENSOR_PARALLEL:
+        model.shard(group)
+    else:
+        model.model.pipeline(group)
 
 
 def _sum(array: mx.array, group: Group) -> mx.array:

@@ -31,7 +31,7 @@ def load(model: Optional[str] = None, draft: Optional[str] = None, draft_quant: 
     its DFlash draft (default: the one shipped for a registered model), the draft in the
     target's float dtype, optionally quantized to ``draft_quant`` bits, checked against it.
     With a ``group`` (``mlx.launch``'s processes: ``distributed.world()``) the target is
-    sharded over them, tensor parallel.
+    sharded over them (tensor or pipeline parallel: ``distributed.shard``).
 
     >>> model, tokenizer, draft = mlx_dflash.load()
     >>> mlx_dflash.generate(model, tokenizer, "Write a haiku", draft, chat=True).text

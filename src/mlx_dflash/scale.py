@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .distributed import check_shardable
+from .distributed import shard
 from .draft import DFlashDraft, create_random_draft
 from .engine import prefill
 from .proposer import DFlashProposer
@@ -72,7 +72,7 @@ COMMON = {"rms_norm_eps": 1e-6, "vocab_size": 151936, "max_position_embeddings":
 def random_target(shape: str, quant: Optional[int] = None, vocab_size: Optional[int] = None,
                   group: Optional[mx.distributed.Group] = None):
     """(model, config) of ``shape`` in bfloat16 (or quantized to ``quant`` bits), random weights;
-    with a ``group``, sharded over its processes tensor-parallel (``distributed.py``)."""
+    with a ``group``, sharded over its processes (``distributed.shard``)."""
     if shape not in SHAPES:
         raise DFlashError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     if shape in QUANTIZED_ONLY and not quant:
@@ -87,8 +87,7 @@ def random_target(shape: str, quant: Optional[int] = None, vocab_size: Optional[
     model.set_dtype(mx.bfloat16)
     steady_greedy(model)
     if group is not None:
-        check_shardable(config["model_type"], group)
-        model.shard(group)
+        shard(model, config["model_type"], group)
     if quant:
         nn.quantize(model, group_size=64, bits=quant)
     mx.eval(model.parameters())

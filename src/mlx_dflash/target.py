@@ -28,7 +28,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .cpu_kernels import block_kernels
 from .delta_rule import BlockDeltaMixer
-from .distributed import check_shardable, sharding_group
+from .distributed import check_shardable, pipeline_stages, shard, sharding_group
 from .draft import DFlashDraft
 from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
@@ -143,6 +143,7 @@ class Target:
         # Trees (tree.py) need attention caches whose keys can be moved together after the walk.
         self.verifies_trees = all(type(c) in (KVCache, RotatingKVCache) for c in caches)
         self.group = sharding_group(model)  # the processes it is sharded over (distributed.py), or None
+        self.pipelined = pipeline_stages(model) > 1  # each process runs some of the layers
         self.recorder = _Recorder()
         self._latest_length = 0  # tokens of the latest call: what a rollback cuts from
         self._install_taps()
@@ -159,29 +160,33 @@ class Target:
         return self.args.vocab_size
 
     def _layer_list(self) -> list:
-        """The stored list of decoder layers (``model.layers`` may be a fresh slice of it)."""
+        """The stored list of decoder layers, indexed by layer number (``model.layers`` may be a
+        fresh slice of it; a pipeline stage's list holds None before its first layer and ends
+        after its last)."""
         inner = getattr(self.model, "model", None)
         return inner.layers if isinstance(getattr(inner, "layers", None), list) else self.model.layers
 
     def _install_taps(self) -> None:
         layers = self._layer_list()
+        total = self.args.num_hidden_layers
         for i in self.layer_ids:
-            if not 0 <= i < len(layers):
-                raise DFlashError(f"target layer id {i} is out of range (target has {len(layers)} layers)")
+            if not 0 <= i < total:
+                raise DFlashError(f"target layer id {i} is out of range (target has {total} layers)")
         tapped = {i: layer for i, layer in enumerate(layers) if isinstance(layer, TappedLayer)}
-        if tapped and set(tapped) == set(self.layer_ids):
+        ours = {i for i in self.layer_ids if i < len(layers) and layers[i] is not None}  # (this stage's)
+        if tapped and set(tapped) == ours:
             self.recorder = next(iter(tapped.values())).recorder  # same taps already in place: share them
             return
         for i, layer in tapped.items():  # different taps of an earlier Target: undo them
             layers[i] = layer.layer
-        for i in set(self.layer_ids):  # (a shallow target may be tapped twice at one layer)
+        for i in ours:  # (a shallow target may be tapped twice at one layer)
             layers[i] = TappedLayer(layers[i], i, self.recorder)
-        if not all(isinstance(self.model.layers[i], TappedLayer) for i in self.layer_ids):
+        if sum(isinstance(layer, TappedLayer) for layer in self.model.layers) != len(ours):
             raise DFlashError(f"cannot tap layers of a {self.family} model: its layer list is not mutable")
 
     def _decoder_layer(self, i: int) -> nn.Module:
-        """Layer ``i`` itself, under its tap if it has one."""
-        layer = self._layer_list()[i]
+        """The layer of cache entry ``i`` (this process's ``i``-th layer), under its tap if it has one."""
+        layer = self.model.layers[i]
         return layer.layer if isinstance(layer, TappedLayer) else layer
 
     def _install_block_mixers(self) -> dict[int, BlockDeltaMixer]:
@@ -248,8 +253,14 @@ class Target:
         packed products and fused ops differ in their last bits: the first token must be mlx-lm's)."""
         self._latest_length = tokens.shape[1]
         if not prompt and self._compiles(tokens, cache):
-            return self._compiled_block(tokens, cache)
-        return self._forward(tokens, cache, block=not prompt and tokens.shape[1] > 1)
+            logits, features = self._compiled_block(tokens, cache)
+        else:
+            logits, features = self._forward(tokens, cache, block=not prompt and tokens.shape[1] > 1)
+        if self.pipelined:
+            # Queue the stages' hand-over and sums now, in the order every process builds them: a
+            # later graph could otherwise reach them after a receive that waits on the other process.
+            mx.async_eval(logits, features)
+        return logits, features
 
     def _compiles(self, tokens: mx.array, cache: list[Any], tree: bool = False) -> bool:
         """Whether this block (or ``tree``: trees compile where the longest blocks do) runs compiled."""
@@ -313,7 +324,7 @@ class Target:
 
     def _tree_ropes(self, depths: mx.array) -> AbstractContextManager:
         """The model's RoPE modules at the block's start plus ``depths`` (``TreeRope``)."""
-        parents = [module for layer in self._layer_list() for module in layer.modules() if "rope" in module.children()]
+        parents = [module for layer in self.model.layers for module in layer.modules() if "rope" in module.children()]
         return swapped([(parent, "rope", parent.rope, TreeRope(parent.rope, depths)) for parent in parents])
 
     def keep_path(self, cache: list[Any], path: list[int], tree_size: int) -> None:
@@ -331,12 +342,24 @@ class Target:
         try:
             with self._kernels(block), within:
                 logits = self.model(tokens, cache=cache)
-            tapped = [self.recorder.outputs[i] for i in self.layer_ids]
-            features = mx.concatenate(tapped, axis=-1) if tapped else mx.zeros((*tokens.shape, 0))
+            if self.pipelined:
+                features = self._features_from_every_stage(logits)
+            else:
+                tapped = [self.recorder.outputs[i] for i in self.layer_ids]
+                features = mx.concatenate(tapped, axis=-1) if tapped else mx.zeros((*tokens.shape, 0))
         finally:
             self.recorder.active = False
             self.recorder.outputs = {}
         return logits, features
+
+    def _features_from_every_stage(self, logits: mx.array) -> mx.array:
+        """A pipeline stage recorded its own layers' taps only: zeros stand for the others', and
+        a sum over the processes fills every tap in (exact: one term is not zero). The sum
+        waits for the logits, so every stage reaches it after the hand-over between stages."""
+        shape, dtype = (*logits.shape[:2], self.args.hidden_size), float_dtype(self.model)
+        tapped = [self.recorder.outputs.get(i, mx.zeros(shape, dtype)) for i in self.layer_ids]
+        features = mx.depends(mx.concatenate(tapped, axis=-1), logits)
+        return mx.distributed.all_sum(features, group=self.group)
 
     def _kernels(self, block: bool) -> Any:
         if self._block_kernels is None:
@@ -382,26 +405,28 @@ def check_compatible(draft: DFlashDraft, target: nn.Module) -> None:
     """Fail with one clear line when a draft was not made for this target."""
     config = draft.config
     args = text_args(target)
+    layers = args.num_hidden_layers  # (all of them: a pipeline stage's ``target.layers`` are its own)
     problems = []
     if config.hidden_size != args.hidden_size:
         problems.append(f"hidden size {config.hidden_size} != target's {args.hidden_size}")
-    if config.num_target_layers != len(target.layers):
-        problems.append(f"draft expects {config.num_target_layers} target layers, target has {len(target.layers)}")
+    if config.num_target_layers != layers:
+        problems.append(f"draft expects {config.num_target_layers} target layers, target has {layers}")
     if config.vocab_size != args.vocab_size:
         problems.append(f"vocab size {config.vocab_size} != target's {args.vocab_size}")
     if not 0 <= config.mask_token_id < args.vocab_size:
         problems.append(f"mask token id {config.mask_token_id} is outside the target vocab (0..{args.vocab_size - 1})")
-    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < len(target.layers)]
+    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < layers]
     if bad_ids:
-        problems.append(f"target_layer_ids {bad_ids} out of range for {len(target.layers)} layers")
+        problems.append(f"target_layer_ids {bad_ids} out of range for {layers} layers")
     if problems:
         raise DFlashError("draft does not match target: " + "; ".join(problems))
 
 
 def load_target(path_or_repo: str, group: Optional[mx.distributed.Group] = None):
     """Load an mlx-lm model and tokenizer (local folder or Hugging Face id), with one-line errors;
-    with a ``group``, sharded tensor-parallel over its processes (``distributed.py``)."""
-    from mlx_lm.utils import load, sharded_load
+    with a ``group``, sharded over its processes (``distributed.shard``: each keeps its part of
+    the lazily loaded weights)."""
+    from mlx_lm.utils import load
 
     from .models import resolve
 
@@ -414,9 +439,13 @@ def load_target(path_or_repo: str, group: Optional[mx.distributed.Group] = None)
     if group is not None and local.exists():
         check_shardable(_config_family(local), group)
     try:
-        model, tokenizer = load(source) if group is None else sharded_load(source, tensor_group=group)
+        model, tokenizer = load(source, lazy=group is not None)
     except Exception as exc:  # mlx-lm raises many types; the user needs the message, not the stack
         raise DFlashError(f"cannot load model {path_or_repo!r}: {exc}") from None
+    if group is not None:
+        shard(model, _model_type(model), group)
+        mx.eval(model.parameters())
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))  # (all loaded before any starts)
     warn_half_precision_on_cpu(model, path_or_repo)
     _warn_slow_blas_once()
     return model, tokenizer
