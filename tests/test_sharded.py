@@ -58,7 +58,6 @@ def test_the_draft_taps_layers_of_both_pipeline_stages(sharded_runs):
 
 
 def test_cli_prints_once_and_names_the_sharding(sharded_runs):
-    """The pipelined family here (the server test below runs a tensor-parallel one)."""
     folders, _ = sharded_runs
     folder = folders["qwen3_next"]
     run = subprocess.run([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", str(folder / "target"),
@@ -76,7 +75,8 @@ def test_a_family_mlx_lm_cannot_shard_fails_with_one_line(tiny_dir):
     assert len(lines) == 1 and "a gemma3_text target cannot be sharded over 2 processes" in lines[0], run.stderr
 
 
-def test_serve_sharded_answers_as_a_single_process_does(sharded_runs):
+@pytest.mark.parametrize("family, sharding", [("qwen3", "tensor"), ("qwen3_next", "pipeline")])
+def test_serve_sharded_answers_as_a_single_process_does(sharded_runs, family, sharding):
     """Requests through the real server (process 0 serves, process 1 follows), greedy and then
     sampled with a seed, each equal to a single-process generation; Ctrl-C ends every process."""
     import signal
@@ -86,7 +86,7 @@ def test_serve_sharded_answers_as_a_single_process_does(sharded_runs):
     from mlx_dflash import SamplingParams, generate, load
 
     folders, _ = sharded_runs
-    folder = folders["qwen3"]
+    folder = folders[family]
     port = free_port()
     server = subprocess.Popen([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", str(folder / "target"),
                               "--draft", str(folder / "draft"), "--port", str(port)],
@@ -108,5 +108,5 @@ def test_serve_sharded_answers_as_a_single_process_does(sharded_runs):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             output = server.communicate()[0]
-    assert "tensor-parallel over 2 processes" in output, output[-3000:]
+    assert f"{sharding}-parallel over 2 processes" in output, output[-3000:]
     assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode == 1  # (none left)
