@@ -288,3 +288,31 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
     finally:
         uv.should_exit = True
         thread.join(timeout=10)
+
+
+def test_ctrl_c_after_concurrent_requests_exits_cleanly(tiny_dir):
+    """`mlx-dflash serve` as a user runs it: requests at once (batched and alone), then Ctrl-C.
+    The process ends as an interrupted command does (status 130); it used to abort at exit
+    ("terminate called without an active exception", 134) after model calls from many worker
+    threads (``mlx_thread.py``)."""
+    import signal
+    import subprocess
+    import sys
+
+    from tiny_models import tiny_pair_files
+
+    target, draft = tiny_pair_files(tiny_dir / "serve-exit", "qwen3")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", target, "--draft", draft,
+                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until_healthy(base, 120)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: client(base).completions.create(
+                model=target, prompt=f"def f{i}(x):", max_tokens=12, temperature=0.5 * (i % 2)), range(4)))
+        assert all(a.choices[0].text for a in answers)
+    finally:
+        server.send_signal(signal.SIGINT)
+        output = server.communicate(timeout=60)[0]
+    assert server.returncode == 130 and "terminate called" not in output, output[-2000:]

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 import mlx.core as mx
-from starlette.concurrency import run_in_threadpool
-
 from .batch import BatchDecoder
 from .generate import StreamResponse, TextStream
+from .mlx_thread import MLXThread
 from .sampling import SamplingParams
 
 
@@ -38,8 +37,8 @@ class BatchRequest:
 class BatchWorker:
     """Runs the batch's cycles while it has rows or requests waiting (at most ``max_rows`` rows)."""
 
-    def __init__(self, decoder: BatchDecoder, lock: asyncio.Lock, max_rows: int):
-        self.decoder, self.lock, self.max_rows = decoder, lock, max_rows
+    def __init__(self, decoder: BatchDecoder, lock: asyncio.Lock, thread: MLXThread, max_rows: int):
+        self.decoder, self.lock, self.thread, self.max_rows = decoder, lock, thread, max_rows
         self.pending: list[BatchRequest] = []
         self.active: dict[int, BatchRequest] = {}
         self.task: Optional[asyncio.Task] = None
@@ -81,7 +80,7 @@ class BatchWorker:
         while self.pending or self.active:
             try:
                 async with self.lock:
-                    await run_in_threadpool(self._cycle, asyncio.get_running_loop())
+                    await self.thread.run(self._cycle, asyncio.get_running_loop())
             except Exception as exc:  # the requests in the batch get the error; the batch starts afresh
                 for request in [*self.active.values(), *self.pending]:
                     request.tokens.put_nowait(exc)
@@ -95,7 +94,7 @@ class BatchWorker:
                 "peak_rows": self.peak_rows}
 
     def _cycle(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Join waiting requests, drop leaving rows, run one cycle (in a worker thread)."""
+        """Join waiting requests, drop leaving rows, run one cycle (on the server's model thread)."""
         def send(request: BatchRequest, tokens: Any) -> None:
             loop.call_soon_threadsafe(request.tokens.put_nowait, tokens)
 

@@ -5,8 +5,8 @@ leave a batch between its cycles, and each cycle verifies every row in one targe
 request that arrives alone runs on the single-sequence engine (faster for one sequence), as do
 requests the batch cannot take (sampling; targets and drafts ``batch.py`` does not batch), one
 at a time beside the batch. Every model call holds an asyncio lock (FIFO), a cycle at a time,
-and runs in a worker thread, so the event loop stays free to notice a client that disconnects
-mid-stream; its row or generation stops at the next cycle. Bad requests get a 4xx with an
+and runs on the server's one model thread (``mlx_thread.py``), so the event loop stays free to
+notice a client that disconnects mid-stream; its row or generation stops at the next cycle. Bad requests get a 4xx with an
 OpenAI-style error body and the server keeps serving. With a target sharded over
 processes (``mlx.launch``), process 0 serves and sends each job to the others, which
 generate it alongside (``follow``); a generation then always runs to its end.
@@ -18,19 +18,21 @@ import asyncio
 import json
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
+import anyio
 import mlx.core as mx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .batch import BatchDecoder
 from .distributed import receive_job, send_job, sharding_group
 from .generate import TextStream, encode_prompt, stream_generate
 from .errors import DFlashError
+from .mlx_thread import MLXThread
 from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
 from .prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
 from .scheduler import BatchRequest, BatchWorker
@@ -264,7 +266,14 @@ def _chunk(job: Job, rid: str, created: int, name: str, text: str, finish: Optio
 
 
 def create_app(served: Served) -> FastAPI:
-    app = FastAPI(title="mlx-dflash")
+    thread = MLXThread()  # every model call runs on it
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        thread.close()
+
+    app = FastAPI(title="mlx-dflash", lifespan=lifespan)
     lock = asyncio.Lock()  # one generation at a time; waiters are served in arrival order
     counts = {"completed": 0, "cancelled": 0}  # generations, reported by /health
     generate_job = generations(served)
@@ -282,7 +291,7 @@ def create_app(served: Served) -> FastAPI:
     async def server_error(request: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    worker = BatchWorker(served.batch, lock, served.decode_concurrency) if served.batch is not None else None
+    worker = BatchWorker(served.batch, lock, thread, served.decode_concurrency) if served.batch is not None else None
 
     solo = asyncio.Lock()  # one generation outside the batch at a time
 
@@ -308,16 +317,17 @@ def create_app(served: Served) -> FastAPI:
             try:
                 while not await request.is_disconnected():
                     async with lock:
-                        response = await run_in_threadpool(next, responses, None)
+                        response = await thread.run(next, responses, None)
                     if response is None:
                         finished = True
                         return
                     yield response
-            finally:
-                async with lock:
-                    if served.group is not None and not finished:  # the others run it to its end: so must we
-                        await run_in_threadpool(lambda: all(True for _ in responses))
-                    responses.close()
+            finally:  # (shielded: a client gone cancels this task, and it must still clean up)
+                with anyio.CancelScope(shield=True):
+                    async with lock:
+                        if served.group is not None and not finished:  # the others run it to its end: so must we
+                            await thread.run(lambda: all(True for _ in responses))
+                        await thread.run(responses.close)  # (its end stores the reply in the prefix cache)
                 counts["completed" if finished else "cancelled"] += 1
 
     @app.get("/health")
