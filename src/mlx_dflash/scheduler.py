@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 import mlx.core as mx
+
 from .batch import BatchDecoder
 from .generate import StreamResponse, TextStream
 from .mlx_thread import MLXThread

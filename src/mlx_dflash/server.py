@@ -6,10 +6,10 @@ request that arrives alone runs on the single-sequence engine (faster for one se
 requests the batch cannot take (sampling; targets and drafts ``batch.py`` does not batch), one
 at a time beside the batch. Every model call holds an asyncio lock (FIFO), a cycle at a time,
 and runs on the server's one model thread (``mlx_thread.py``), so the event loop stays free to
-notice a client that disconnects mid-stream; its row or generation stops at the next cycle. Bad requests get a 4xx with an
-OpenAI-style error body and the server keeps serving. With a target sharded over
-processes (``mlx.launch``), process 0 serves and sends each job to the others, which
-generate it alongside (``follow``); a generation then always runs to its end.
+notice a client that disconnects mid-stream; its row or generation stops at the next cycle.
+Bad requests get a 4xx with an OpenAI-style error body and the server keeps serving. With a
+target sharded over processes (``mlx.launch``), process 0 serves and sends each job to the
+others, which generate it alongside (``follow``); a generation then always runs to its end.
 """
 
 from __future__ import annotations
