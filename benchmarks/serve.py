@@ -89,11 +89,12 @@ def run_clients(port: int, name: str, clients: int, requests: int, prompts: list
     ttft = sorted(r["ttft_s"] for r in results)
     per_token = sorted(r["per_token_s"] for r in results)
     capped = [r for r in results if r["finish_reason"] == "length"]
+    total = sum(r["tokens"] for r in results)
     p95 = lambda xs: xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]  # noqa: E731
-    return {"clients": clients, "tok_s": sum(r["tokens"] for r in results) / wall,
+    return {"clients": clients, "tok_s": total / wall,
             "ttft_p50": statistics.median(ttft), "ttft_p95": p95(ttft),
             "per_token_p50_ms": 1000 * statistics.median(per_token), "per_token_p95_ms": 1000 * p95(per_token),
-            "at_cap": len(capped), "at_cap_token_share": sum(r["tokens"] for r in capped) / max(sum(r["tokens"] for r in results), 1),
+            "at_cap": len(capped), "at_cap_token_share": sum(r["tokens"] for r in capped) / max(total, 1),
             "requests": results}
 
 
