@@ -34,7 +34,9 @@ def pair(request, tiny_dir):
 
 class PlantedDrafts(BatchDecoder):
     """Drafts each row's own greedy continuation with a mistake at a random slot (or none),
-    so rows accept different counts each cycle; the draft still runs, for its context."""
+    so rows accept different counts each cycle; the draft still runs, for its context. Each
+    row's place in its continuation comes from its length on the device: a cycle queued ahead
+    is drafted before the host has read the previous one's counts."""
 
     def __init__(self, *args, references: dict, seed: int = 0):
         super().__init__(*args)
@@ -42,15 +44,22 @@ class PlantedDrafts(BatchDecoder):
 
     def _draft(self, first: mx.array, L: int) -> tuple[mx.array, dict]:
         super()._draft(first, L)
-        rows = []
-        for row_id in self.order:
-            reference, done = self.references[row_id], len(self.rows[row_id].tokens)
-            slots = (reference[done : done + L - 1] + [0] * L)[: L - 1]
-            wrong = self.rng.randrange(L)  # (L - 1: all right)
-            if wrong < L - 1:
-                slots[wrong] = (slots[wrong] + 1) % 200
-            rows.append(slots)
-        return mx.array(rows, dtype=mx.uint32).reshape(len(rows), L - 1), {}
+        width = max(len(self.references[r]) for r in self.order) + L
+        continuations = mx.array([(self.references[r] + [0] * width)[:width] for r in self.order], dtype=mx.uint32)
+        done = self.context[0].position - mx.array([len(self.rows[r].prompt) - 1 for r in self.order])
+        slots = mx.take_along_axis(continuations, done[:, None] + mx.arange(L - 1), axis=1)
+        wrong = mx.array([self.rng.randrange(L) for _ in self.order])[:, None] == mx.arange(L - 1)  # (L - 1: all right)
+        return mx.where(wrong, (slots + 1) % 200, slots).astype(mx.uint32), {}
+
+
+QUEUED = EngineOptions(queue_ahead=True, compile_blocks=True)  # (the GPU's cycle: the next queued before a read)
+
+
+def queues(decoder: BatchDecoder) -> list:
+    """Records, per step, whether a cycle was left queued (a test's check that the path ran)."""
+    seen, step = [], decoder.step
+    decoder.step = lambda: (step(), seen.append(decoder.queued is not None))[0]
+    return seen
 
 
 def decode_planted(decoder: PlantedDrafts, references: list) -> list:
@@ -79,13 +88,15 @@ class PlantedCosts(BlockPolicy):
         super().record(block, acceptance, 0.01 * (1 + block / 4), forecast)
 
 
-@pytest.mark.parametrize("planted", [False, True])
-def test_adaptive_block_sizes_equal_each_prompt_alone(pair, planted):
-    """With a policy choosing each cycle's size (plain steps with forecasts, short blocks, full ones)."""
+@pytest.mark.parametrize("planted, queued", [(False, False), (True, False), (True, True)])
+def test_adaptive_block_sizes_equal_each_prompt_alone(pair, planted, queued):
+    """With a policy choosing each cycle's size (plain steps with forecasts, short blocks, full
+    ones); ``queued``: each cycle's size chosen before the previous one is read."""
     model, draft, references = pair
     policy = PlantedCosts(BLOCK)
     policy.history = []
-    decoder = PlantedDrafts(model, draft, BLOCK, None, policy, references={}) if planted else (
+    options = QUEUED if queued else EngineOptions()
+    decoder = PlantedDrafts(model, draft, BLOCK, None, policy, options, references={}) if planted else (
         BatchDecoder(model, draft, BLOCK, None, policy))
     outputs = {}
     for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
@@ -101,13 +112,16 @@ def test_adaptive_block_sizes_equal_each_prompt_alone(pair, planted):
     assert BLOCK in sizes and (planted or 1 in sizes and any(forecast for *_, forecast in policy.history))
 
 
-def test_planted_acceptance_rows_join_and_leave(pair):
+@pytest.mark.parametrize("queued", [False, True])
+def test_planted_acceptance_rows_join_and_leave(pair, queued):
+    """Rows join mid-way (with ``queued``, while a cycle is queued: it is read first)."""
     model, draft, references = pair
-    decoder = PlantedDrafts(model, draft, BLOCK, references={})
-    outputs, accepted = {}, []
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions(), references={})
+    outputs, accepted, while_queued = {}, [], []
     pending = list(zip(range(len(PROMPTS)), PROMPTS, LIMITS))
 
     def join(count):
+        while_queued.append(decoder.queued is not None)
         for index, prompt, limit in pending[:count]:
             row = decoder.add(mx.array(prompt), limit)
             decoder.references[row.id] = references[index]
@@ -119,46 +133,50 @@ def test_planted_acceptance_rows_join_and_leave(pair):
     while decoder.rows or pending:
         if cycles in (1, 3):  # rows join mid-way
             join(2 if cycles == 1 else len(pending))
-        lengths = {row: len(decoder.rows[row].tokens) for row in decoder.order}
         for row, tokens in decoder.step().items():
-            outputs[row][1].extend(tokens)
-            accepted.append(len(tokens) - (lengths[row] + len(tokens) >= LIMITS[outputs[row][0]]))
+            outputs[row][1].extend(tokens)  # (the last cycle of a row may commit fewer than it accepted)
+            accepted.append(len(tokens) - (len(outputs[row][1]) >= LIMITS[outputs[row][0]]))
         cycles += 1
     for index, tokens in outputs.values():
         assert tokens == references[index]
     assert len(set(accepted)) > 3  # (rows accepted many different counts)
+    assert any(while_queued) == (queued and decoder.target.rolls_back_on_device)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_compiled_and_eager_verifies_equal_each_prompt_alone(pair, compiled):
-    """Verifies under mx.compile (a trace over every row's own length, as on GPUs) and eager."""
+@pytest.mark.parametrize("way", ["compiled", "eager", "queued"])
+def test_compiled_eager_and_queued_verifies_equal_each_prompt_alone(pair, way):
+    """Verifies under mx.compile (a trace over every row's own length, as on GPUs), eager, and
+    compiled with each cycle queued before the previous one is read (GPUs)."""
     model, draft, references = pair
-    decoder = PlantedDrafts(model, draft, BLOCK, None, None, EngineOptions(queue_ahead=False, compile_blocks=compiled),
-                            references={})
+    options = QUEUED if way == "queued" else EngineOptions(queue_ahead=False, compile_blocks=way == "compiled")
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, options, references={})
     calls, compiled_block = [], decoder.target._compiled_block
     decoder.target._compiled_block = lambda *args: calls.append(args) or compiled_block(*args)
+    queued = queues(decoder)
     assert decode_planted(decoder, references) == references
-    plain = decoder.target.rolls_back_on_device  # (targets with rotating caches verify eager)
-    assert bool(calls) == (compiled and plain)
+    plain = decoder.target.rolls_back_on_device  # (targets with rotating caches verify eager, never queued)
+    assert bool(calls) == (way != "eager" and plain)
+    assert any(queued) == (way == "queued" and plain)
 
 
-def test_a_row_that_leaves_early_disturbs_no_other(pair):
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
     model, draft, references = pair
-    decoder = BatchDecoder(model, draft, BLOCK)
+    decoder = BatchDecoder(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions())
     rows = [decoder.add(mx.array(p), n).id for p, n in zip(PROMPTS, LIMITS)]
     outputs = {row: [references[i][0]] for i, row in enumerate(rows)}
-    leaving = rows[2]
+    leaving, left_queued = rows[2], queued and decoder.target.rolls_back_on_device
     for cycle in range(100):
         if not decoder.rows:
             break
-        if cycle == 2:
-            decoder.remove(leaving)  # (a client that went away)
+        if cycle >= 2 and leaving in decoder.rows and (decoder.queued is not None) == left_queued:
+            decoder.remove(leaving)  # (a client that went away; with ``queued``, while a cycle is queued)
         for row, tokens in decoder.step().items():
             outputs[row] += tokens
     for row, reference in zip(rows, references):
         if row != leaving:
             assert outputs[row] == reference
-    assert outputs[leaving] == references[2][: len(outputs[leaving])]
+    assert outputs[leaving] == references[2][: len(outputs[leaving])] and len(outputs[leaving]) < LIMITS[2]
 
 
 def test_other_drafts_are_refused_with_one_line(pair):
@@ -242,7 +260,8 @@ def test_rows_of_their_own_lengths_are_written_masked_and_cut_each_by_its_own():
     keys, _ = cache.update_and_fetch(*(mx.full((2, 2, 3, 4), -1.0) for _ in range(2)))
     assert keys.shape[2] == 10 and cache.offset.tolist() == [6, 10]  # (read up to the longest row)
     assert keys[0, 0, :7, 0].tolist() == [3, 3, 3, -1, -1, -1, 0] and keys[1, 0, 6:10, 0].tolist() == [7, -1, -1, -1]
-    cache.cut(mx.array([2, 0]), longest=10)
+    cache.drop(mx.array([2, 0]))
+    cache.settle(10)
     assert cache.offset.tolist() == [4, 10] and cache.bound == 10
     assert cache.row(0, 4).keys[0, 0, :4, 0].tolist() == [3, 3, 3, -1]
 

@@ -3,7 +3,8 @@ forward per cycle for all of them.
 
 Rows join (their prompt prefilled alone, then merged in) and leave between cycles. A cycle:
 draft a block for every row, verify the blocks as one [rows, block] batch, accept per row,
-roll each row back to its own accepted prefix, commit. Each row keeps its own length
+roll each row back to its own accepted prefix, commit; on GPUs the next cycle is queued before
+this one is read, as in the engine. Each row keeps its own length
 in the caches (``batch_cache.py``), so rows that accepted different counts are cut back each by
 its own and the verify runs compiled where the engine's does; targets with sliding-window
 layers keep mlx-lm's left-padded batch caches (eager).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,14 +30,12 @@ from .batch_cache import BatchCache, BatchContext, RowsKVCache, cut_rows, joined
 from .draft import DFlashDraft
 from .engine import prefill
 from .errors import DFlashError
-from .options import EngineOptions
-from .policy import BlockPolicy
+from .options import DEFAULT_OPTIONS, EngineOptions
+from .policy import BlockPolicy, CycleClock
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, first_token, sample, verify
 from .target import Target, check_compatible
 
-# Verifies compiled where the engine's are (GPUs: every block), read after each cycle (not queued).
-BATCH_OPTIONS = EngineOptions(queue_ahead=False)
 
 
 @dataclass
@@ -57,6 +56,18 @@ class Row:
         return len(self.tokens) >= self.max_tokens
 
 
+@dataclass
+class Launched:
+    """One cycle of every row, queued on the device and not read yet."""
+
+    size: int  # tokens verified a row (1: plain steps)
+    choices: mx.array  # [rows, size]: the target's choice after each slot
+    accepted: mx.array  # [rows]: drafts each row accepted
+    features: mx.array  # the block's tapped target features, the draft's next context
+    guess: Optional[mx.array]  # a forecast's drafts (the first row's), for the policy
+    launch_seconds: float  # host time spent building and queueing it
+
+
 class BatchDecoder:
     """Rows decoded together. ``add`` prefills a prompt and returns its ``Row`` (the prefill's
     token is its first output); ``step`` runs one cycle for every row and returns the tokens
@@ -64,7 +75,7 @@ class BatchDecoder:
 
     def __init__(self, model: nn.Module, draft: DFlashDraft, block_size: Optional[int] = None,
                  prefix_cache: Optional[PrefixCache] = None, policy: Optional[BlockPolicy] = None,
-                 options: EngineOptions = BATCH_OPTIONS):
+                 options: EngineOptions = DEFAULT_OPTIONS):
         check_compatible(draft, model)
         self.target = Target(model, draft.config.target_layer_ids, options)
         if draft.config.dflash2 is not None or any(draft.config.is_sliding(i) for i in range(len(draft.layers))):
@@ -88,6 +99,12 @@ class BatchDecoder:
         self.cache: list[BatchCache] = []
         self.context: list[BatchContext] = []
         self._next_id = 0
+        # Where the caches roll back by counts on the device (GPUs), the next cycle is queued
+        # before this one is read, as the engine does; a cycle queued when rows join or leave is
+        # read at once, its tokens kept for the next ``step``.
+        self.queued: Optional[Launched] = None
+        self.landed: dict[int, list[int]] = {}
+        self.clock = CycleClock()  # (a cycle's cost for the policy, launches queued ahead or not)
 
     def add(self, prompt: mx.array, max_tokens: int, params: Optional[SamplingParams] = None) -> Row:
         """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
@@ -98,6 +115,7 @@ class BatchDecoder:
             raise DFlashError("a batch's rows sample with temperature, top_p, top_k and min_p only: seeded "
                               "requests, logits processors and match acceptance run alone")
         params = params.drawing() if params is not None else None  # (a random stream of its own)
+        self._land()  # (before the prefill: a queued cycle's roll back reads what the target ran last)
         collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()
         logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
@@ -116,6 +134,10 @@ class BatchDecoder:
         its state: a chat's next turn resends this prompt and its reply."""
         if row_id not in self.rows:
             return
+        self._land()
+        self.landed.pop(row_id, None)
+        if row_id not in self.rows:  # (it finished in the cycle just read)
+            return
         if self.prefix_cache is not None:
             self._keep_prefix(self.order.index(row_id), self.rows[row_id])
         keep = [i for i, r in enumerate(self.order) if r != row_id]
@@ -128,6 +150,11 @@ class BatchDecoder:
         for c in [*self.cache, *(ctx.cache for ctx in self.context)]:
             c.filter(index)
 
+    def clear(self) -> None:
+        """Every row leaves at once, nothing read or kept (after a cycle failed)."""
+        self.rows, self.order, self.cache, self.context = {}, [], [], []
+        self.queued, self.landed = None, {}
+
     def _keep_prefix(self, index: int, row: Row) -> None:
         """Store row ``index``'s caches, cut to its committed tokens but the latest (not in them yet)."""
         tokens = row.prompt + row.tokens[:-1]
@@ -139,50 +166,109 @@ class BatchDecoder:
         self.prefix_cache.store(self.target, _ContextCollector(self.draft, context), target, tokens)
 
     def step(self) -> dict[int, list[int]]:
-        """One cycle for every row: draft, verify (one forward), accept, roll back, commit."""
-        if not self.order:
-            return {}
-        tic = time.perf_counter()
-        L, forecast = self._size(max(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order))
-        first = mx.array([self.rows[r].first for r in self.order], dtype=mx.uint32)
-        drafted, q = self._draft(first, self.block_size if forecast else L)  # [rows, L - 1] (a forecast's: more)
-        block = mx.concatenate([first[:, None], drafted[:, : L - 1]], axis=1)
-        logits, features = self.target(block, self.cache)
-        choices, accepted = self._accept(logits, block, drafted[:, : L - 1], q)
-        # The cycle's one device-to-host read (a forecast's guesses with it).
-        guess = drafted[0] if forecast else None
-        mx.eval(choices, accepted, *([guess] if forecast else []))
-        choices_host, accepted = choices.tolist(), accepted.tolist()
-        # Roll back each row to its accepted prefix; its kept tokens become draft context.
-        for row_id, a in zip(self.order, accepted):
-            self.rows[row_id].length += a + 1
-        longest, drop = max(self.rows[r].length for r in self.order), [L - 1 - a for a in accepted]
-        dropped = mx.array(drop)  # (one array for every layer, target and draft)
-        if self.target.rolls_back_on_device:  # (each row cut by its own count on the device)
-            self.target.rollback(self.cache, dropped if any(drop) else 0)
-            self.target.settle(self.cache, longest)
-        else:
-            for layer_cache in self.cache:
-                cut_rows(layer_cache, drop)
-        self._add_context(features, dropped, longest)
+        """One cycle for every row: draft, verify (one forward), accept, roll back, commit; the
+        tokens each row committed, by row id. A cycle read early (rows joined or left while it was
+        queued: ``_land``) gives its tokens instead, and the next call runs a cycle again."""
+        if self.landed or not self.order:
+            out, self.landed = self.landed, {}
+            return out
+        return self._cycle(queue_next=True)
+
+    def _cycle(self, queue_next: bool) -> dict[int, list[int]]:
+        cycle = self.queued or self._launch(mx.array([self.rows[r].first for r in self.order], dtype=mx.uint32),
+                                            self._wanted())
+        self.queued = None
+        on_device = self.target.rolls_back_on_device
+        if on_device:  # roll back by the counts still on the device, and queue the next cycle
+            first = self._roll_back(cycle, cycle.accepted)
+            if queue_next and self._queues_after(cycle):
+                self.queued = self._launch(first, self._wanted() - 1)
+        # Accept: the cycle's one device-to-host read (a forecast's guesses with it).
+        choices, accepted = cycle.choices.tolist(), cycle.accepted.tolist()
+        if not on_device:
+            self._roll_back(cycle, accepted)
         # Commit.
         out: dict[int, list[int]] = {}
-        for row_id, a, c in zip(list(self.order), accepted, choices_host):
+        for row_id, a, c in zip(self.order, accepted, choices):
             row = self.rows[row_id]
+            row.length += a + 1
             committed = c[: a + 1][: row.max_tokens - len(row.tokens)]
             row.tokens += committed
             row.first = c[a]
             out[row_id] = committed
-        if self.policy is not None:  # (every row's acceptance; the whole batch's cost)
-            seconds = time.perf_counter() - tic
-            if forecast:  # plain steps: the first row's forecast checked against its tokens
-                self.policy.record_cycle(L, out[self.order[0]], seconds, guess.tolist())
-            else:
-                self.policy.record_rows(L, [a + 1 for a in accepted], seconds)
-                self.policy.observe(out[self.order[0]])  # (a forecast's later guesses: the first row's tokens)
+        self._settle()
+        self._record(cycle, out, accepted)
         for row_id in [r for r in self.order if self.rows[r].done]:
             self.remove(row_id)
         return out
+
+    def _launch(self, first: mx.array, wanted: int) -> Launched:
+        """Draft a block after each row's ``first`` ([rows]) and verify all of them in one target
+        forward, lazily (queued on the device); the block's size from the policy."""
+        tic = time.perf_counter()
+        L, forecast = self._size(wanted)
+        drafted, q = self._draft(first, self.block_size if forecast else L)  # [rows, L - 1] (a forecast's: more)
+        block = mx.concatenate([first[:, None], drafted[:, : L - 1]], axis=1)
+        logits, features = self.target(block, self.cache)
+        choices, accepted = self._accept(logits, block, drafted[:, : L - 1], q)
+        guess = drafted[0] if forecast else None  # (the first row's: what plain steps then commit)
+        mx.async_eval(choices, accepted, features, *([guess] if forecast else []))
+        seconds = time.perf_counter() - tic
+        self.clock.add_launch(seconds)
+        return Launched(L, choices, accepted, features, guess, seconds)
+
+    def _wanted(self) -> int:
+        """The most tokens a row still wants."""
+        return max(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order)
+
+    def _queues_after(self, cycle: Launched) -> bool:
+        """Whether the next cycle can be queued before ``cycle`` is read: where the options say so
+        (GPUs), and while no row can reach its ``max_tokens`` in it (a row leaving then would make
+        the queued cycle be read early)."""
+        fewest = min(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order)
+        return bool(self.target.options.queue_ahead) and fewest > cycle.size
+
+    def _roll_back(self, cycle: Launched, accepted: Union[mx.array, list[int]]) -> mx.array:
+        """Cut each row back to its accepted prefix (counts still on the device, or read) and add
+        its kept tokens to the draft's context; returns each row's next first token (on the device)."""
+        dropped = (cycle.size - 1) - (accepted if isinstance(accepted, mx.array) else mx.array(accepted))
+        if cycle.size > 1 and (isinstance(accepted, mx.array) or any(a < cycle.size - 1 for a in accepted)):
+            if self.target.rolls_back_on_device:  # (each row cut by its own count on the device)
+                self.target.rollback(self.cache, dropped)
+            else:
+                for layer_cache in self.cache:
+                    cut_rows(layer_cache, [cycle.size - 1 - a for a in accepted])
+        context = self.draft.project_context(cycle.features)
+        for layer, ctx in zip(self.draft.layers, self.context):
+            ctx.cache.update_and_fetch(*layer.self_attn.context_kv(context, ctx.cache.offset))
+            ctx.cache.drop(dropped)
+        index = accepted if isinstance(accepted, mx.array) else mx.array(accepted)
+        return mx.take_along_axis(cycle.choices, index[:, None], axis=1)[:, 0]
+
+    def _settle(self) -> None:
+        """The counts are read: the caches read no further than the longest row (and a cycle
+        queued since)."""
+        longest = max(self.rows[r].length for r in self.order)
+        if self.target.rolls_back_on_device:
+            self.target.settle(self.cache, longest + (self.queued.size if self.queued is not None else 0))
+        for ctx in self.context:
+            ctx.cache.settle(longest)
+
+    def _record(self, cycle: Launched, out: dict[int, list[int]], accepted: list[int]) -> None:
+        """The policy learns the cycle's cost (the whole batch's) and every row's acceptance."""
+        if self.policy is None:
+            return
+        seconds = self.clock.cycle_seconds(cycle.launch_seconds)
+        if cycle.guess is not None:  # plain steps: the first row's forecast checked against its tokens
+            self.policy.record_cycle(cycle.size, out[self.order[0]], seconds, cycle.guess.tolist())
+        else:
+            self.policy.record_rows(cycle.size, [a + 1 for a in accepted], seconds)
+            self.policy.observe(out[self.order[0]])  # (a forecast's later guesses: the first row's tokens)
+
+    def _land(self) -> None:
+        """Read a queued cycle now (rows are about to join or leave); the next ``step`` gives its tokens."""
+        if self.queued is not None:
+            self.landed = self._cycle(queue_next=False)
 
     def _size(self, wanted: int) -> tuple[int, bool]:
         """The cycle's block size (every row's) and whether it drafts a forecast beside plain steps."""
@@ -233,15 +319,6 @@ class BatchDecoder:
                 q[i] = params.probabilities(self.draft.scale_logits(self.target.head(hidden[i])))
                 drafted[i : i + 1] = sample(q[i], params.key())[None]
         return drafted, q
-
-    def _add_context(self, features: mx.array, dropped: mx.array, longest: int) -> None:
-        """The block's tapped features, of which row i drops the last ``dropped[i]``
-        (``longest``: the longest row after it)."""
-        context = self.draft.project_context(features)
-        for layer, ctx in zip(self.draft.layers, self.context):
-            keys, values = layer.self_attn.context_kv(context, ctx.cache.offset)
-            ctx.cache.update_and_fetch(keys, values)
-            ctx.cache.cut(dropped, longest)
 
     def _join(self, cache: list[Any], contexts: list[KVCache]) -> None:
         rows = [joined(c) for c in cache]

@@ -10,7 +10,7 @@ beside the recurrent layers of hybrid targets (mlx-lm's ``ArraysCache``, a state
   key/value layers and for the draft's context.
 - mlx-lm's ``BatchKVCache`` / ``BatchRotatingKVCache`` for targets with sliding-window layers
   (rotating caches): rows left-padded to a common end; a row cut back by more than the others has
-  its rejected tail rolled round to its left padding (``cut_rows``; a ``RowsKVCache``: ``cut``).
+  its rejected tail rolled round to its left padding (``cut_rows``; a ``RowsKVCache``: ``drop``).
 
 mlx-lm's batch caches keep their offsets on the host and move every row's data to cut it back
 (a roll of the whole buffer per layer and cycle), which is why the plain layers use their own.
@@ -67,11 +67,6 @@ class RowsKVCache(DeviceKVCache):
                                 for x in (self.keys, self.values))
         one.offset = one.bound = length
         return one
-
-    def cut(self, drop: mx.array, longest: int) -> None:
-        """Drop the last ``drop[i]`` positions of row i; ``longest``: the longest row after it."""
-        self.drop(drop)
-        self.settle(longest)
 
 
 BatchCache = Union[RowsKVCache, BatchKVCache, BatchRotatingKVCache, ArraysCache]

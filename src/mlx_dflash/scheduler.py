@@ -85,8 +85,7 @@ class BatchWorker:
             except Exception as exc:  # the requests in the batch get the error; the batch starts afresh
                 for request in [*self.active.values(), *self.pending]:
                     request.tokens.put_nowait(exc)
-                for row in list(self.active):
-                    self.decoder.remove(row)
+                self.decoder.clear()
                 self.active, self.pending = {}, []
             await asyncio.sleep(0)  # (let handlers read their tokens and new requests arrive)
 
