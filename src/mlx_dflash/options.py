@@ -28,8 +28,8 @@ class EngineOptions:
     pad_reads: blocks read whole 256-position key buffers, masked, so the kernel shapes
         repeat (GPUs).
     pack_projections: compiled blocks run q/k/v and gate/up as one matmul each.
-    rowwise_products: compiled blocks run plain projections row by row, as mlx-lm's one-token
-        step does (GPUs, models of up to ``projections.ROWWISE_MAX_BYTES``).
+    rowwise_products: compiled blocks of one sequence (not a batch's) run plain projections row
+        by row, as mlx-lm's one-token step does (GPUs, models of up to ``projections.ROWWISE_MAX_BYTES``).
     compile_draft: draft passes under ``mx.compile`` (None: on GPUs; default off, not shown faster).
     pack_draft: draft passes pack their projections as compiled blocks do (GPUs).
     prefill_step: prompt tokens per prefill chunk (mlx-lm's default).

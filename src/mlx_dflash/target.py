@@ -278,7 +278,9 @@ class Target:
         (many small ops a Gated DeltaNet layer), and the trace is replayed faster than it is built.
         A ``tree``'s verify (``verify_tree``) takes its nodes' depths and ancestors as inputs too."""
         mixers = self._block_mixers
-        key = (self.options.pack_projections, self.options.rowwise_products, tree is not None)
+        # Row by row only for one sequence: a batch's rows would read every weight once per row of each.
+        rowwise = self.options.rowwise_products if tokens.shape[0] == 1 else False
+        key = (self.options.pack_projections, rowwise, tree is not None)
         if key not in self.recorder.block_forwards:
             projections = block_projections(self.model, *key[:2])  # (packed, row by row: projections.py)
 
