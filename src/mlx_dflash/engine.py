@@ -79,8 +79,7 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
         end = min(start + step, prompt.size - 1)
         _, features = target(prompt[None, start:end], cache, prompt=True)
         proposer.add_context(features)
-        if end < prompt.size - 1:  # (the last chunk runs with the last token's step, which the host builds meanwhile)
-            mx.eval([c.state for c in cache], proposer.state)  # (the draft's context is prompt work)
+        mx.eval([c.state for c in cache], proposer.state)  # (the draft's context is prompt work)
         if progress is not None:
             progress(end, prompt.size)
     if prefix_cache is not None and reused < len(head):
