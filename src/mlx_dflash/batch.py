@@ -37,7 +37,6 @@ from .sampling import SamplingParams, first_token, sample, verify
 from .target import Target, check_compatible
 
 
-
 @dataclass
 class Row:
     """One sequence in the batch."""
@@ -127,6 +126,7 @@ class BatchDecoder:
             self._join(cache, collector.caches)
             self.rows[row.id] = row
             self.order.append(row.id)
+        self.clock = CycleClock()  # (the next cycle's cost is timed from here: not this prefill)
         return row
 
     def remove(self, row_id: int) -> None:
@@ -140,6 +140,7 @@ class BatchDecoder:
             return
         if self.prefix_cache is not None:
             self._keep_prefix(self.order.index(row_id), self.rows[row_id])
+            self.clock = CycleClock()  # (the next cycle's cost is timed from here: not this copy)
         keep = [i for i, r in enumerate(self.order) if r != row_id]
         self.order = [self.order[i] for i in keep]
         self.rows.pop(row_id, None)
@@ -175,6 +176,7 @@ class BatchDecoder:
         return self._cycle(queue_next=True)
 
     def _cycle(self, queue_next: bool) -> dict[int, list[int]]:
+        """Read the queued cycle, or launch one and read it; with ``queue_next``, queue the next first."""
         cycle = self.queued or self._launch(mx.array([self.rows[r].first for r in self.order], dtype=mx.uint32),
                                             self._wanted())
         self.queued = None
@@ -226,13 +228,14 @@ class BatchDecoder:
         (GPUs), and while no row can reach its ``max_tokens`` in it (a row leaving then would make
         the queued cycle be read early)."""
         fewest = min(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order)
-        return bool(self.target.options.queue_ahead) and fewest > cycle.size
+        return self.target.options.queue_ahead and fewest > cycle.size
 
     def _roll_back(self, cycle: Launched, accepted: Union[mx.array, list[int]]) -> mx.array:
         """Cut each row back to its accepted prefix (counts still on the device, or read) and add
         its kept tokens to the draft's context; returns each row's next first token (on the device)."""
-        dropped = (cycle.size - 1) - (accepted if isinstance(accepted, mx.array) else mx.array(accepted))
-        if cycle.size > 1 and (isinstance(accepted, mx.array) or any(a < cycle.size - 1 for a in accepted)):
+        counts = accepted if isinstance(accepted, mx.array) else mx.array(accepted)
+        dropped = (cycle.size - 1) - counts
+        if cycle.size > 1 and (counts is accepted or any(a < cycle.size - 1 for a in accepted)):
             if self.target.rolls_back_on_device:  # (each row cut by its own count on the device)
                 self.target.rollback(self.cache, dropped)
             else:
@@ -242,8 +245,7 @@ class BatchDecoder:
         for layer, ctx in zip(self.draft.layers, self.context):
             ctx.cache.update_and_fetch(*layer.self_attn.context_kv(context, ctx.cache.offset))
             ctx.cache.drop(dropped)
-        index = accepted if isinstance(accepted, mx.array) else mx.array(accepted)
-        return mx.take_along_axis(cycle.choices, index[:, None], axis=1)[:, 0]
+        return mx.take_along_axis(cycle.choices, counts[:, None], axis=1)[:, 0]
 
     def _settle(self) -> None:
         """The counts are read: the caches read no further than the longest row (and a cycle
