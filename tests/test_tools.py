@@ -93,3 +93,12 @@ def test_serve_benchmark(pair, tmp_path):
     # (4 tokens: the tiny models' replies all run to the cap, and are counted there)
     assert all(run["at_cap"] == len(run["requests"]) for runs in figures.values() for run in runs)
     assert all(row.endswith("(100%) |") for row in rows)
+
+
+def test_batch_costs(pair):
+    model, draft = pair
+    out = run_tool("batch_costs.py", "--model", model, "--draft", draft, "--rows", "1", "2", "--max-tokens", "6",
+                   "--repeats", "1")
+    rows = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert rows == [["| 1", "read each cycle"], ["| 1", "queued ahead"], ["| 2", "read each cycle"], ["| 2", "queued ahead"]]
+    assert out.count("both ways gave the same tokens: True") == 2
