@@ -303,8 +303,10 @@ def test_ctrl_c_after_concurrent_requests_exits_cleanly(tiny_dir):
 
     target, draft = tiny_pair_files(tiny_dir / "serve-exit", "qwen3")
     port = free_port()
+    # (Ctrl-C's default action, as in a user's terminal: a run started in the background inherits it ignored)
     server = subprocess.Popen([sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", target, "--draft", draft,
-                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         base = f"http://127.0.0.1:{port}"
         wait_until_healthy(base, 120)
