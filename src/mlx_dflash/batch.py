@@ -51,8 +51,13 @@ class Row:
     params: Optional[SamplingParams] = None  # how it samples (None: greedy)
 
     @property
+    def remaining(self) -> int:
+        """Tokens it may still commit."""
+        return self.max_tokens - len(self.tokens)
+
+    @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.max_tokens
+        return self.remaining <= 0
 
 
 @dataclass
@@ -194,7 +199,7 @@ class BatchDecoder:
         for row_id, a, c in zip(self.order, accepted, choices):
             row = self.rows[row_id]
             row.length += a + 1
-            committed = c[: a + 1][: row.max_tokens - len(row.tokens)]
+            committed = c[: a + 1][: row.remaining]
             row.tokens += committed
             row.first = c[a]
             out[row_id] = committed
@@ -221,14 +226,13 @@ class BatchDecoder:
 
     def _wanted(self) -> int:
         """The most tokens a row still wants."""
-        return max(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order)
+        return max(self.rows[r].remaining for r in self.order)
 
     def _queues_after(self, cycle: Launched) -> bool:
         """Whether the next cycle can be queued before ``cycle`` is read: where the options say so
         (GPUs), and while no row can reach its ``max_tokens`` in it (a row leaving then would make
         the queued cycle be read early)."""
-        fewest = min(self.rows[r].max_tokens - len(self.rows[r].tokens) for r in self.order)
-        return self.target.options.queue_ahead and fewest > cycle.size
+        return self.target.options.queue_ahead and min(self.rows[r].remaining for r in self.order) > cycle.size
 
     def _roll_back(self, cycle: Launched, accepted: Union[mx.array, list[int]]) -> mx.array:
         """Cut each row back to its accepted prefix (counts still on the device, or read) and add
