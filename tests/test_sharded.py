@@ -95,12 +95,15 @@ def test_serve_sharded_answers_as_a_single_process_does(sharded_runs, family, sh
             answer = client.completions.create(model=str(folder / "target"), prompt=PROMPT, max_tokens=10, **extra)
             alone = generate(model, tokenizer, PROMPT, draft, max_tokens=10, sampling=sampling, continuation=True)
             assert answer.choices[0].text == alone.text
+        stream = client.completions.create(model=str(folder / "target"), prompt=PROMPT, max_tokens=200, stream=True)
+        next(iter(stream))  # (Ctrl-C mid-generation: every process is inside the same cycle's collectives)
     finally:  # Ctrl-C as a terminal sends it: to every process of the launch
         os.killpg(server.pid, signal.SIGINT)
         try:
-            output = server.communicate(timeout=60)[0]
+            output, ended = server.communicate(timeout=60)[0], True
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-            output = server.communicate()[0]
+            output, ended = server.communicate()[0], False
+    assert ended, "Ctrl-C left the launch running: " + output[-3000:]
     assert f"{sharding}-parallel over 2 processes" in output, output[-3000:]
     assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).returncode == 1  # (none left)

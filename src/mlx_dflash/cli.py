@@ -593,6 +593,9 @@ def _follow(args) -> None:
     alongside process 0 (server.follow)."""
     from .server import Served, follow
 
+    # Ctrl-C reaches every process of the launch: only process 0 may act on it (it tells the others
+    # to stop), else one could leave between two collectives and leave process 0 waiting forever
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     model, tokenizer, draft, model_name = _load_pair(args)
     served = Served(model, tokenizer, draft, model_name, 0, 0, adaptive=args.adaptive, block_size=args.block_size,
                     trees=_trees(args), prefix_cache_bytes=parse_bytes(args.prefix_cache_bytes))
