@@ -108,7 +108,7 @@ def test_a_lone_request_runs_alone_and_others_batch_beside_it(server):
     reply = client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10)
     assert reply.choices[0].message.content == expected_chat(model, tokenizer, draft, MESSAGES, 10).text
     assert httpx.get(base + "/health").json()["batch"]["cycles"] == cycles
-    sampled = {"model": NAME, "messages": MESSAGES, "max_tokens": 600, "temperature": 1.0, "seed": 5}
+    sampled = {"model": NAME, "messages": MESSAGES, "max_tokens": 300, "temperature": 1.0, "seed": 5}
     with httpx.stream("POST", base + "/v1/chat/completions", json={**sampled, "stream": True}, timeout=120) as alone:
         lines = alone.iter_lines()
         first = next(lines)

@@ -44,7 +44,8 @@ SHAPES = {
                   "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
                   "vocab_size": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0},
     "tiny": {"model_type": "qwen3", "hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 256,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True},
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True,
+             "vocab_size": 4096},  # (a test shape: a real vocabulary's head would be most of its time)
 }
 # Qwen3.5: 3 Gated DeltaNet layers per full-attention layer (head_dim 256), 248k vocabulary.
 _QWEN3_5 = {"model_type": "qwen3_5", "vocab_size": 248320, "head_dim": 256, "num_attention_heads": 16,
