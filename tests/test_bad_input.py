@@ -101,6 +101,35 @@ def test_a_model_without_a_shipped_draft_fails_before_any_download(pair, home, c
     assert not home.exists()
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--eval-every", "-1"], "--eval-every must be at least 0"),
+    (["--eval-prompts", "-3"], "--eval-prompts must be at least 0"),
+    (["--save-every", "-1"], "--save-every must be at least 0"),
+    (["--time-budget", "-5"], "--time-budget must be a positive number"),
+    (["--time-budget", "nan"], "--time-budget must be a positive number"),
+    (["--seed", "-1"], "--seed must be in 0.."),
+])
+def test_bad_train_arguments_fail_before_loading(tmp_path, capsys, flags, words):
+    code = main(["train", "--model", "/no/such/model", "--data", str(tmp_path), "--out", str(tmp_path / "run"), *flags])
+    assert words in one_error_line(capsys, code)
+
+
+@pytest.mark.parametrize("command", [["train", "--data", "x"], ["data"], ["bench"], ["quantize", "x"]])
+def test_an_output_folder_that_is_a_file_fails_before_any_work(tmp_path, capsys, command):
+    """(``bench`` writes its folder at the end of a long run: it must not fail there.)"""
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    for out in (taken, taken / "below"):
+        args = [*command, str(out)] if command[0] == "quantize" else [*command, "--out", str(out)]
+        assert f"{taken} is a file, not a folder" in one_error_line(capsys, main(args))
+    assert taken.read_text() == "mine"
+
+
+def test_a_replay_beyond_the_block_fails_with_one_line(tmp_path, capsys):
+    code = main(["bench", "--scale", "tiny", "--replay-mean", "100", "--lengths", "8", "--out", str(tmp_path)])
+    assert "a replay's mean acceptance must be in 1..16" in one_error_line(capsys, code)
+
+
 def test_serve_on_a_busy_port_fails_before_loading(capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

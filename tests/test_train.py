@@ -252,6 +252,18 @@ def test_tiny_training_run_loss_falls_and_draft_reloads(tiny_data, tmp_path):
     assert len(result.tokens) > 0 and result.cycles > 0
 
 
+def test_sequences_shorter_than_a_block_train_and_a_foreign_mask_id_fails(tiny_data, tmp_path):
+    """--max-len below a block (the target's forward without a cache at a block's length), and a
+    mask token id the target does not have: one clear error, not a crash."""
+    path, data = tiny_data
+    model, tokenizer = load_tiny(path)
+    base = dict(layers=1, block_size=8, steps=2, batch_size=2, anchors=4, eval_every=0, eval_prompts=0, save_every=0)
+    assert (train(model, tokenizer, [str(data)], str(tmp_path / "short"), TrainConfig(**base, max_len=4)) / "config.json").is_file()
+    for mask in (-1, model.args.vocab_size):
+        with pytest.raises(DFlashError, match="the mask token id must be one of the target's"):
+            train(model, tokenizer, [str(data)], str(tmp_path / "mask"), TrainConfig(**base, mask_token_id=mask))
+
+
 def test_resume_continues_from_the_saved_step(tiny_data, tmp_path):
     path, data = tiny_data
     model, tokenizer = load_tiny(path)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import signal
 import sys
 import time
-
+from pathlib import Path
 from typing import Union
 
 from .errors import DFlashError
@@ -355,6 +356,13 @@ def _run_train(args) -> None:
     for name in ("layers", "block_size", "steps", "batch_size", "anchors", "max_len"):
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("eval_every", "eval_prompts", "save_every"):
+        if getattr(args, name) < 0:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
+    if args.time_budget is not None and not 0 < args.time_budget < math.inf:
+        raise DFlashError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
+    if not 0 <= args.seed < 2**32:
+        raise DFlashError(f"--seed must be in 0..{2**32 - 1}, got {args.seed}")
     if args.init and args.resume:
         raise DFlashError("--init starts a new run and --resume continues one: pass only one")
     if not 0 < args.lr < 1:
@@ -416,7 +424,6 @@ def _add_bench(sub) -> None:
 
 def _run_bench(args) -> None:
     import json
-    from pathlib import Path
 
     from .bench import BenchConfig, humaneval_prompts, markdown_table, run_bench
     from .bench_prompts import long_context_prompts
@@ -719,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C: temporary files (a model fetch's) are removed on the way out
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
+        if getattr(args, "out", None):  # (before any work: a long run must not fail at its last write)
+            _check_output_folder(args.out)
         args.func(args)
     except DFlashError as exc:
         print(f"mlx-dflash: error: {exc}", file=sys.stderr)  # (a sharded run's other processes: silenced, _load_pair)
@@ -731,6 +740,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _check_output_folder(out: str) -> None:
+    """One clear line when ``out`` cannot become a folder: a file is there or on its way."""
+    path = Path(out).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise DFlashError(f"cannot write to {out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise DFlashError(f"cannot write to {out}: {existing} is not writable")
 
 
 def _terminate(signum, frame) -> None:

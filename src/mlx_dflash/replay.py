@@ -13,6 +13,7 @@ from typing import Callable, Optional, Sequence, Union
 import mlx.core as mx
 import numpy as np
 
+from .errors import DFlashError
 from .proposer import DFlashProposer
 from .target import Target
 
@@ -101,7 +102,7 @@ def geometric_schedule(mean_acceptance: float, block_size: int, seed: int = 0) -
     """Each drafted slot is right with probability p (p chosen so the mean acceptance
     length, capped at ``block_size``, is ``mean_acceptance``); the first wrong slot ends it."""
     if not 1 <= mean_acceptance <= block_size:
-        raise ValueError(f"mean acceptance must be in 1..{block_size}")
+        raise DFlashError(f"a replay's mean acceptance must be in 1..{block_size} (the block size), got {mean_acceptance}")
 
     def expected(p: float) -> float:
         return 1 + sum(p**k for k in range(1, block_size))

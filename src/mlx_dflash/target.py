@@ -247,9 +247,10 @@ class Target:
             caches = [DeviceKVCache(self.options.pad_reads) if type(c) is KVCache else c for c in caches]
         return caches
 
-    def __call__(self, tokens: mx.array, cache: list[Any], prompt: bool = False) -> tuple[mx.array, mx.array]:
-        """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order).
-        ``prompt``: a chunk of the prompt, run as mlx-lm runs it (never a compiled block, whose
+    def __call__(self, tokens: mx.array, cache: Optional[list[Any]], prompt: bool = False
+                 ) -> tuple[mx.array, mx.array]:
+        """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order); ``cache``
+        None: whole sequences without one (training). ``prompt``: a chunk of the prompt, run as mlx-lm runs it (never a compiled block, whose
         packed products and fused ops differ in their last bits: the first token must be mlx-lm's)."""
         self._latest_length = tokens.shape[1]
         if not prompt and self._compiles(tokens, cache):
@@ -262,10 +263,10 @@ class Target:
             mx.async_eval(logits, features)
         return logits, features
 
-    def _compiles(self, tokens: mx.array, cache: list[Any], tree: bool = False) -> bool:
+    def _compiles(self, tokens: mx.array, cache: Optional[list[Any]], tree: bool = False) -> bool:
         """Whether this block (or ``tree``: trees compile where the longest blocks do) runs compiled."""
         longest = self.options.longest_compiled_block(PADDED_BLOCK)
-        return ((1 < tokens.shape[1] <= longest or tree and longest == PADDED_BLOCK)
+        return ((1 < tokens.shape[1] <= longest or tree and longest == PADDED_BLOCK) and cache is not None
                 and all(c.keys is not None if isinstance(c, DeviceKVCache) else is_recurrent(c) and not c.empty()
                         for c in cache))
 

@@ -333,8 +333,12 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         cfg.layers, cfg.block_size = draft.config.num_hidden_layers, draft.block_size
         cfg.target_layer_ids, cfg.mask_token_id = draft.config.target_layer_ids, draft.config.mask_token_id
     else:
+        vocab_size = text_args(target_model).vocab_size
         if cfg.mask_token_id is None:
-            cfg.mask_token_id = choose_mask_token(tokenizer, text_args(target_model).vocab_size)
+            cfg.mask_token_id = choose_mask_token(tokenizer, vocab_size)
+        elif not 0 <= cfg.mask_token_id < vocab_size:
+            raise DFlashError(f"the mask token id must be one of the target's (0..{vocab_size - 1}), "
+                              f"got {cfg.mask_token_id}")
         draft = create_random_draft(
             vars(text_args(target_model)), num_layers=cfg.layers, block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
