@@ -130,6 +130,19 @@ def test_a_replay_beyond_the_block_fails_with_one_line(tmp_path, capsys):
     assert "a replay's mean acceptance must be in 1..16" in one_error_line(capsys, code)
 
 
+def test_a_draft_as_the_model_or_a_model_without_its_tokenizer_fails_with_one_line(pair, tmp_path, capsys):
+    import shutil
+
+    model, draft = pair
+    code = main(["generate", "--model", draft, "--draft", draft, "--prompt", "hi"])
+    assert "is a DFlash draft, not a target model" in one_error_line(capsys, code)
+    bare = Path(shutil.copytree(model, tmp_path / "no-tokenizer"))
+    for file in bare.glob("tokenizer*"):
+        file.unlink()
+    code = main(["generate", "--model", str(bare), "--draft", draft, "--prompt", "hi"])
+    assert "its tokenizer encodes no text" in one_error_line(capsys, code)
+
+
 def test_serve_on_a_busy_port_fails_before_loading(capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -439,12 +439,17 @@ def load_target(path_or_repo: str, group: Optional[mx.distributed.Group] = None)
     if looks_local and not local.exists():
         raise DFlashError(f"model not found: {path_or_repo}")
     source = str(local) if local.exists() else path_or_repo
+    if local.exists() and "dflash_config" in _config(local):
+        raise DFlashError(f"{path_or_repo} is a DFlash draft, not a target model: pass it as the draft")
     if group is not None and local.exists():
-        check_shardable(_config_family(local), group)
+        check_shardable(_config(local).get("model_type", "?"), group)
     try:
         model, tokenizer = load(source, lazy=group is not None)
     except Exception as exc:  # mlx-lm raises many types; the user needs the message, not the stack
         raise DFlashError(f"cannot load model {path_or_repo!r}: {exc}") from None
+    if not tokenizer.encode("Hello"):  # (transformers falls back to an empty tokenizer when its files are missing)
+        raise DFlashError(f"cannot load model {path_or_repo!r}: its tokenizer encodes no text "
+                          "(tokenizer.json or tokenizer.model missing?)")
     if group is not None:
         shard(model, _model_type(model), group)
         mx.eval(model.parameters())
@@ -454,13 +459,13 @@ def load_target(path_or_repo: str, group: Optional[mx.distributed.Group] = None)
     return model, tokenizer
 
 
-def _config_family(folder: Path) -> str:
-    """The model_type a local model folder's config names ("?" if unreadable: loading says why)."""
+def _config(folder: Path) -> dict:
+    """A local model folder's config ({} if unreadable: loading says why)."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
-        return "?"
-    return config.get("model_type", "?")
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 @functools.cache
