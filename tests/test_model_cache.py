@@ -119,3 +119,13 @@ def test_sigterm_during_a_fetch_leaves_nothing(tmp_path):
     _, err = child.communicate(timeout=30)
     assert child.returncode == 128 + signal.SIGTERM and "Traceback" not in err
     assert [p for p in home.rglob("*") if p.is_file()] == []
+
+
+def test_a_cache_folder_that_is_a_file_fails_with_one_line(tmp_path, monkeypatch, capsys):
+    home = tmp_path / "home"
+    home.write_text("not a folder")
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(home))
+    assert main(["models", "fetch", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mlx-dflash: error: cannot create the model cache folder") and len(err.splitlines()) == 1
+    assert home.read_text() == "not a folder"

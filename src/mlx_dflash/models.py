@@ -206,7 +206,10 @@ def _alive(pid: int) -> bool:
 
 def _staging(parent: Path) -> tempfile.TemporaryDirectory:
     """A temporary folder that ``clean_partials`` can tell from a finished one, and whose owner it knows."""
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # (e.g. $MLX_DFLASH_HOME names a file)
+        raise DFlashError(f"cannot create the model cache folder {parent}: {exc.strerror}") from None
     return tempfile.TemporaryDirectory(dir=parent, prefix=f".partial-{os.getpid()}-")
 
 
