@@ -4,6 +4,7 @@ a half-written file; the server keeps serving."""
 
 import json
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -131,8 +132,6 @@ def test_a_replay_beyond_the_block_fails_with_one_line(tmp_path, capsys):
 
 
 def test_a_draft_as_the_model_or_a_model_without_its_tokenizer_fails_with_one_line(pair, tmp_path, capsys):
-    import shutil
-
     model, draft = pair
     code = main(["generate", "--model", draft, "--draft", draft, "--prompt", "hi"])
     assert "is a DFlash draft, not a target model" in one_error_line(capsys, code)

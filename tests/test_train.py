@@ -258,7 +258,8 @@ def test_sequences_shorter_than_a_block_train_and_a_foreign_mask_id_fails(tiny_d
     path, data = tiny_data
     model, tokenizer = load_tiny(path)
     base = dict(layers=1, block_size=8, steps=2, batch_size=2, anchors=4, eval_every=0, eval_prompts=0, save_every=0)
-    assert (train(model, tokenizer, [str(data)], str(tmp_path / "short"), TrainConfig(**base, max_len=4)) / "config.json").is_file()
+    short = train(model, tokenizer, [str(data)], str(tmp_path / "short"), TrainConfig(**base, max_len=4))
+    assert (short / "config.json").is_file()
     for mask in (-1, model.args.vocab_size):
         with pytest.raises(DFlashError, match="the mask token id must be one of the target's"):
             train(model, tokenizer, [str(data)], str(tmp_path / "mask"), TrainConfig(**base, mask_token_id=mask))

@@ -102,7 +102,8 @@ def geometric_schedule(mean_acceptance: float, block_size: int, seed: int = 0) -
     """Each drafted slot is right with probability p (p chosen so the mean acceptance
     length, capped at ``block_size``, is ``mean_acceptance``); the first wrong slot ends it."""
     if not 1 <= mean_acceptance <= block_size:
-        raise DFlashError(f"a replay's mean acceptance must be in 1..{block_size} (the block size), got {mean_acceptance}")
+        raise DFlashError(f"a replay's mean acceptance must be in 1..{block_size} (the block size), "
+                          f"got {mean_acceptance}")
 
     def expected(p: float) -> float:
         return 1 + sum(p**k for k in range(1, block_size))

@@ -250,8 +250,9 @@ class Target:
     def __call__(self, tokens: mx.array, cache: Optional[list[Any]], prompt: bool = False
                  ) -> tuple[mx.array, mx.array]:
         """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order); ``cache``
-        None: whole sequences without one (training). ``prompt``: a chunk of the prompt, run as mlx-lm runs it (never a compiled block, whose
-        packed products and fused ops differ in their last bits: the first token must be mlx-lm's)."""
+        None: whole sequences without one (training). ``prompt``: a chunk of the prompt, run as
+        mlx-lm runs it (never a compiled block, whose packed products and fused ops differ in
+        their last bits: the first token must be mlx-lm's)."""
         self._latest_length = tokens.shape[1]
         if not prompt and self._compiles(tokens, cache):
             logits, features = self._compiled_block(tokens, cache)
