@@ -237,9 +237,10 @@ class BatchDecoder:
     def _roll_back(self, cycle: Launched, accepted: Union[mx.array, list[int]]) -> mx.array:
         """Cut each row back to its accepted prefix (counts still on the device, or read) and add
         its kept tokens to the draft's context; returns each row's next first token (on the device)."""
-        counts = accepted if isinstance(accepted, mx.array) else mx.array(accepted)
+        on_device = isinstance(accepted, mx.array)
+        counts = accepted if on_device else mx.array(accepted)
         dropped = (cycle.size - 1) - counts
-        if cycle.size > 1 and (counts is accepted or any(a < cycle.size - 1 for a in accepted)):
+        if cycle.size > 1 and (on_device or any(a < cycle.size - 1 for a in accepted)):
             if self.target.rolls_back_on_device:  # (each row cut by its own count on the device)
                 self.target.rollback(self.cache, dropped)
             else:

@@ -440,10 +440,11 @@ def load_target(path_or_repo: str, group: Optional[mx.distributed.Group] = None)
     if looks_local and not local.exists():
         raise DFlashError(f"model not found: {path_or_repo}")
     source = str(local) if local.exists() else path_or_repo
-    if local.exists() and "dflash_config" in _config(local):
+    config = _config(local) if local.exists() else {}
+    if "dflash_config" in config:
         raise DFlashError(f"{path_or_repo} is a DFlash draft, not a target model: pass it as the draft")
     if group is not None and local.exists():
-        check_shardable(_config(local).get("model_type", "?"), group)
+        check_shardable(config.get("model_type", "?"), group)
     try:
         model, tokenizer = load(source, lazy=group is not None)
     except Exception as exc:  # mlx-lm raises many types; the user needs the message, not the stack
