@@ -108,15 +108,17 @@ def test_a_lone_request_runs_alone_and_others_batch_beside_it(server):
     reply = client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=10)
     assert reply.choices[0].message.content == expected_chat(model, tokenizer, draft, MESSAGES, 10).text
     assert httpx.get(base + "/health").json()["batch"]["cycles"] == cycles
+    conversations = [[{"role": "user", "content": f"Beside {i}"}] for i in range(3)]
+    # (solo outputs computed first: the server's model thread must be the model's only user meanwhile)
+    expected = [expected_chat(model, tokenizer, draft, m, 12).text for m in conversations]
     sampled = {"model": NAME, "messages": MESSAGES, "max_tokens": 300, "temperature": 1.0, "seed": 5}
     with httpx.stream("POST", base + "/v1/chat/completions", json={**sampled, "stream": True}, timeout=120) as alone:
         lines = alone.iter_lines()
         first = next(lines)
-        conversations = [[{"role": "user", "content": f"Beside {i}"}] for i in range(3)]
         with ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda m: client(base).chat.completions.create(
                 model=NAME, messages=m, max_tokens=12).choices[0].message.content, conversations))
-        assert answers == [expected_chat(model, tokenizer, draft, m, 12).text for m in conversations]
+        assert answers == expected
         assert httpx.get(base + "/health").json()["batch"]["cycles"] > cycles
         text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                        for line in [first, *lines] if line.startswith("data: {"))
@@ -180,6 +182,7 @@ def test_bad_input_gets_openai_style_4xx(server, body, status, words):
 
 def test_disconnect_mid_stream_stops_generation_and_frees_the_server(server):
     base, model, tokenizer, draft = server
+    expected = expected_chat(model, tokenizer, draft, MESSAGES, 8).text  # (before: the server's thread alone then)
     cancelled = httpx.get(base + "/health").json()["cancelled"]
     body = {"model": NAME, "messages": MESSAGES, "max_tokens": 1800, "stream": True}  # many seconds of work
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
@@ -188,7 +191,7 @@ def test_disconnect_mid_stream_stops_generation_and_frees_the_server(server):
     # the client is gone after one event: its generation stops and the next request runs
     tic = time.perf_counter()
     reply = client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8)
-    assert reply.choices[0].message.content == expected_chat(model, tokenizer, draft, MESSAGES, 8).text
+    assert reply.choices[0].message.content == expected
     assert time.perf_counter() - tic < 30
     assert httpx.get(base + "/health").json()["cancelled"] == cancelled + 1
 
@@ -269,6 +272,7 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
     thread.start()
     base = f"http://127.0.0.1:{port}"
     wait_until_healthy(base, 10)
+    expected = {n: expected_chat(model, tokenizer, draft, MESSAGES, n).text for n in (12, 14, 15)}
     try:
         def ask(max_tokens):
             body = {"model": NAME, "messages": MESSAGES, "max_tokens": max_tokens}
@@ -284,7 +288,7 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
         assert [r.status_code for r in replies] == [200, 500, 200, 200]
         assert "out of memory" in replies[1].json()["error"]["message"]
         for reply, n in zip([replies[0], *replies[2:]], [12, 14, 15]):
-            assert reply.json()["choices"][0]["message"]["content"] == expected_chat(model, tokenizer, draft, MESSAGES, n).text
+            assert reply.json()["choices"][0]["message"]["content"] == expected[n]
     finally:
         uv.should_exit = True
         thread.join(timeout=10)

@@ -202,6 +202,8 @@ def stream_generate(
     with recurrent layers verify chains.
     ``prefix_cache``: restore the longest stored start of the prompt instead of prefilling it,
     and store this prompt's state for later ones (``prefix_cache.py``; same tokens as without).
+    A model runs one generation at a time, from one thread at a time (its wrapped layers record
+    into one place); the server serves many requests through its one model thread.
     """
     target, proposer = make_proposer(model, draft, options)
     block_size = proposer.block_size if block_size is None else block_size
