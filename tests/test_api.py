@@ -77,3 +77,23 @@ def test_sampling_in_worker_threads_lets_the_process_exit_cleanly():
     for _ in range(3):
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(files):
+    """Ids past the embedding table read outside it (a segmentation fault); negative ones could
+    not be converted. One clear error each, from generate and from a batch; numpy ids are fine."""
+    import numpy as np
+
+    from mlx_dflash.batch import batch_generate
+
+    target, draft = files
+    model, tokenizer, loaded = mlx_dflash.load(target, draft)
+    vocab = model.args.vocab_size
+    with pytest.raises(mlx_dflash.DFlashError, match=f"token id {vocab}, outside the target's vocabulary"):
+        generate(model, tokenizer, [5, vocab], loaded, max_tokens=2)
+    with pytest.raises(mlx_dflash.DFlashError, match="non-negative integers"):
+        generate(model, tokenizer, [5, -1], loaded, max_tokens=2)
+    with pytest.raises(mlx_dflash.DFlashError, match="outside the target's vocabulary"):
+        batch_generate(model, [[5, 6], [vocab + 7]], loaded, [2, 2])
+    assert (generate(model, tokenizer, np.array([5, 6, 7]), loaded, max_tokens=3).tokens
+            == generate(model, tokenizer, [5, 6, 7], loaded, max_tokens=3).tokens)

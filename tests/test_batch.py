@@ -185,6 +185,22 @@ def test_other_drafts_are_refused_with_one_line(pair):
         BatchDecoder(model, to_dflash2(draft))
 
 
+def test_rows_it_cannot_sample_are_refused():
+    """Logits processors (even greedy ones), seeds and match acceptance run alone: a batch
+    would drop or reorder what they read."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlx_dflash.batch import batches
+    from mlx_dflash.sampling import SamplingParams
+
+    penalty = make_logits_processors(repetition_penalty=1.3)
+    assert batches(None) and batches(SamplingParams()) and batches(SamplingParams(temp=0.7, top_p=0.9))
+    assert batches(SamplingParams(seed=3))  # (greedy: a seed draws nothing)
+    for params in (SamplingParams(logits_processors=penalty), SamplingParams(temp=0.7, logits_processors=penalty),
+                   SamplingParams(temp=0.7, seed=3), SamplingParams(temp=0.7, accept="match")):
+        assert not batches(params)
+
+
 def test_a_rows_prompt_and_reply_serve_the_next_turn(pair):
     """With a prefix cache, a row that leaves keeps its prompt and reply: the next turn (the
     prompt, the reply, a new message) prefills only the message, and its tokens are the cold ones."""

@@ -6,12 +6,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import mlx.core as mx
 import pytest
 import uvicorn
+from mlx_lm.sample_utils import make_logits_processors
 from openai import OpenAI
 from tiny_models import MASK_ID, free_port, load_tiny, make_tiny_target, wait_until_healthy
 
-from mlx_dflash import create_random_draft, generate
+from mlx_dflash import SamplingParams, create_random_draft, generate
 from mlx_dflash.server import Served, create_app
 
 NAME = "tiny"
@@ -155,6 +157,68 @@ def test_sampling_is_honoured_and_seeded(server):
     assert runs[0] == runs[1] and runs[0] != greedy
 
 
+def test_penalties_and_logit_bias_are_mlx_lm_logits_processors(server):
+    """OpenAI's presence/frequency penalties and logit bias, mlx-lm's repetition penalty: the
+    reply is generate's with mlx-lm's processors (greedy), also when asked beside other requests
+    (processors read each row's own history: such a request runs alone); a bias of +100 makes the
+    reply that one token."""
+    base, model, tokenizer, draft = server
+    settings = {"repetition_penalty": 1.5, "repetition_context_size": 8, "presence_penalty": 1.0,
+                "frequency_penalty": 0.5, "logit_bias": {"7": 3.0, "11": -2.0}}
+    processors = make_logits_processors(repetition_penalty=1.5, repetition_context_size=8, presence_penalty=1.0,
+                                        frequency_penalty=0.5, logit_bias={7: 3.0, 11: -2.0})
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    expected = generate(model, tokenizer, prompt, draft, max_tokens=16,
+                        sampling=SamplingParams(logits_processors=processors)).text
+    assert expected != expected_chat(model, tokenizer, draft, MESSAGES, 16).text
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 16, **settings}
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda b: httpx.post(base + "/v1/chat/completions", json=b, timeout=60).json(),
+                                [body, {**body, "messages": [{"role": "user", "content": "other"}]}, body]))
+    assert [replies[0]["choices"][0]["message"]["content"], replies[2]["choices"][0]["message"]["content"]] == \
+        [expected, expected]
+    forced = client(base).completions.create(model=NAME, prompt="abc", max_tokens=6, logit_bias={"65": 100})
+    assert forced.choices[0].text == tokenizer.decode([65] * 6)
+
+
+def test_completions_take_token_ids_and_unused_fields(server):
+    """A completion's prompt may be token ids (or a list of one string); fields this server does
+    not implement are accepted with the values that mean "not used"."""
+    base, model, tokenizer, draft = server
+    ids = tokenizer.encode("abc")
+    expected = generate(model, tokenizer, ids, draft, max_tokens=8).text
+    unused = {"logprobs": None, "echo": False, "best_of": 1, "suffix": None}
+    for prompt in (ids, ["abc"]):
+        reply = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 8, **unused},
+                           timeout=60).json()
+        assert reply["choices"][0]["text"] == expected
+    for bad in ([], [1, -1], [1, 10**9], ["a", "b"], [1.5]):
+        r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": bad, "max_tokens": 8})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": "a", "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    chat = {"model": NAME, "messages": MESSAGES, "max_tokens": 4, "tools": [], "logprobs": False,
+            "response_format": {"type": "text"}, "stream_options": None}
+    assert httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+
+
+def test_a_job_crosses_to_the_other_processes_whole():
+    """A sharded target's processes get each job as JSON: its penalties and logit bias too."""
+    from mlx_dflash.server import Job, job_from_payload, job_payload
+
+    processors = {"repetition_penalty": 1.2, "repetition_context_size": 4, "presence_penalty": 0.5,
+                  "presence_context_size": 20, "frequency_penalty": -0.5, "frequency_context_size": 20,
+                  "logit_bias": [[3, 2.0]]}
+    sampling = {"temp": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "seed": 4, "processors": processors}
+    job = Job([1, 2, 3], 5, ["x"], sampling, True, False)
+    again = job_from_payload(json.loads(json.dumps(job_payload(job))))
+    logits, history = mx.random.normal((1, 16), key=mx.random.key(0)), mx.array([3, 3, 5])
+    ours, theirs = job.sampling_params(), again.sampling_params()
+    assert (ours.temp, ours.top_p, ours.seed) == (theirs.temp, theirs.top_p, theirs.seed)
+    assert mx.array_equal(ours.process_row(logits, history), theirs.process_row(logits, history))
+    assert not mx.array_equal(ours.process_row(logits, history), logits)
+
+
 @pytest.mark.parametrize(
     "body, status, words",
     [
@@ -169,6 +233,16 @@ def test_sampling_is_honoured_and_seeded(server):
         (json.dumps({"messages": [{"role": "user", "content": "x" * 2100}], "max_tokens": 8}).encode(), 400,
          "context limit"),
         (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"messages": MESSAGES, "logprobs": True}).encode(), 400, "'logprobs' is not supported"),
+        (json.dumps({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(),
+         400, "'tools' is not supported"),
+        (json.dumps({"messages": MESSAGES, "response_format": {"type": "json_object"}}).encode(), 400,
+         "'response_format' is not supported"),
+        (json.dumps({"messages": MESSAGES, "presence_penalty": "a"}).encode(), 400, "presence_penalty"),
+        (json.dumps({"messages": MESSAGES, "repetition_penalty": -1}).encode(), 400, "repetition_penalty"),
+        (json.dumps({"messages": MESSAGES, "logit_bias": {"999999": 5}}).encode(), 400, "logit_bias"),
+        (json.dumps({"messages": MESSAGES, "logit_bias": {"5": 101}}).encode(), 400, "logit_bias"),
+        (json.dumps({"messages": MESSAGES, "stream_options": "yes"}).encode(), 400, "stream_options"),
     ],
 )
 def test_bad_input_gets_openai_style_4xx(server, body, status, words):

@@ -72,6 +72,14 @@ class Launched:
     launch_seconds: float  # host time spent building and queueing it
 
 
+def batches(params: Optional[SamplingParams]) -> bool:
+    """Whether a row sampling with ``params`` can join a batch: greedy, or temperature with
+    top-p, top-k and min-p. Seeded requests (the batch's block sizes would change their draws),
+    logits processors (they read each row's own history) and match acceptance run alone."""
+    return params is None or not params.logits_processors and (
+        params.greedy or params.accept == "speculative" and params.seed is None)
+
+
 class BatchDecoder:
     """Rows decoded together. ``add`` prefills a prompt and returns its ``Row`` (the prefill's
     token is its first output); ``step`` runs one cycle for every row and returns the tokens
@@ -114,11 +122,10 @@ class BatchDecoder:
         """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
         the prefill's token, its first output, is all it asked for); ``params``: how the row
         samples (None or temperature 0: greedy)."""
-        params = None if params is None or params.greedy else params
-        if params is not None and (params.logits_processors or params.accept != "speculative" or params.seed is not None):
+        if not batches(params):
             raise DFlashError("a batch's rows sample with temperature, top_p, top_k and min_p only: seeded "
                               "requests, logits processors and match acceptance run alone")
-        params = params.drawing() if params is not None else None  # (a random stream of its own)
+        params = None if params is None or params.greedy else params.drawing()  # (a random stream of its own)
         self._land()  # (before the prefill: a queued cycle's roll back reads what the target ran last)
         collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()

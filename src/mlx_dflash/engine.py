@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import mlx.core as mx
 
 from .distributed import from_rank_zero, shared_seed
+from .errors import DFlashError
 from .policy import BlockPolicy, CycleClock
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
@@ -73,6 +74,9 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
     state before the last token for later prompts where the caches cannot be cut back (key/value
     caches are kept with the reply, at the end: ``decode_cycles``); also returns how many tokens
     it restored."""
+    if (highest := prompt.max().item()) >= target.vocab_size:  # (past the embedding table: a read outside it)
+        raise DFlashError(f"the prompt holds token id {highest}, outside the target's vocabulary "
+                          f"(0..{target.vocab_size - 1})")
     head = prompt[:-1].tolist() if prefix_cache is not None else []
     reused = prefix_cache.resume(target, proposer, cache, head) if prefix_cache is not None else 0
     for start in range(reused, prompt.size - 1, step):

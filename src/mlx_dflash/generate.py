@@ -4,6 +4,7 @@ streamed text, with EOS and stop strings, the model's context bound, and statist
 from __future__ import annotations
 
 import time
+from numbers import Integral
 from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
@@ -90,6 +91,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> mx.array:
     elif isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    if not isinstance(prompt, mx.array) and not all(isinstance(t, Integral) and t >= 0 for t in prompt):
+        raise DFlashError("a prompt of token ids takes non-negative integers")
     prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt.astype(mx.uint32)
     if prompt.ndim != 1 or prompt.size == 0:
         raise DFlashError("the prompt is empty")

@@ -28,7 +28,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .batch import BatchDecoder
+from mlx_lm.sample_utils import make_logits_processors
+
+from .batch import BatchDecoder, batches
 from .distributed import receive_job, send_job, sharding_group
 from .generate import TextStream, encode_prompt, stream_generate
 from .errors import DFlashError
@@ -37,6 +39,7 @@ from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budg
 from .prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
 from .scheduler import BatchRequest, BatchWorker
 from .sampling import MAX_SEED, SamplingParams
+from .target import text_args
 
 ROLES = {"system", "user", "assistant"}
 DEFAULT_MAX_TOKENS = 256
@@ -100,9 +103,18 @@ class Job:
     prompt: list[int]
     max_tokens: int
     stop: list[str]
-    sampling: Optional[SamplingParams]
+    sampling: Optional[dict]  # SamplingParams' fields, and ``processors``: make_logits_processors' (None: greedy)
     chat: bool
     stream: bool
+
+    def sampling_params(self) -> Optional[SamplingParams]:
+        if self.sampling is None:
+            return None
+        fields = dict(self.sampling)
+        processors = dict(fields.pop("processors"))
+        bias = processors.pop("logit_bias")  # ([id, bias] pairs: JSON keeps no int keys)
+        return SamplingParams(**fields, logits_processors=make_logits_processors(
+            logit_bias=dict(bias) if bias else None, **processors))
 
 
 def _number(body: dict, key: str, kind, default, low, high):
@@ -147,15 +159,69 @@ def _chat_prompt(served: Served, messages: Any) -> list[int]:
     return encode_prompt(served.tokenizer, turns).tolist()
 
 
-def _sampling(body: dict) -> Optional[SamplingParams]:
+PENALTIES = {"repetition": (0.0, 10.0), "presence": (-2.0, 2.0), "frequency": (-2.0, 2.0)}  # their ranges
+
+
+def _processors(body: dict, vocab_size: int) -> dict:
+    """mlx_lm.server's penalties (repetition: multiplicative, 0 = off; presence and frequency:
+    OpenAI's additive ones; each over the last ``*_context_size`` tokens) and OpenAI's
+    ``logit_bias``: arguments of mlx-lm's ``make_logits_processors``."""
+    settings: dict[str, Any] = {}
+    for name, (low, high) in PENALTIES.items():
+        settings[f"{name}_penalty"] = _number(body, f"{name}_penalty", float, 0.0, low, high)
+        settings[f"{name}_context_size"] = _number(body, f"{name}_context_size", int, 20, 1, 1 << 20)
+    bias = body.get("logit_bias") or {}
+    message = f"'logit_bias' must map token ids (0..{vocab_size - 1}) to numbers in [-100, 100]"
+    if not isinstance(bias, dict):
+        raise RequestError(400, message, "logit_bias")
+    settings["logit_bias"] = []
+    for key, value in bias.items():
+        if (not key.isdigit() or int(key) >= vocab_size or isinstance(value, bool)
+                or not isinstance(value, (int, float)) or not -100 <= value <= 100):
+            raise RequestError(400, message, "logit_bias")
+        settings["logit_bias"].append([int(key), float(value)])
+    return settings
+
+
+def _sampling(body: dict, vocab_size: int) -> Optional[dict]:
     temp = _number(body, "temperature", float, 0.0, 0.0, 2.0)
     top_p = _number(body, "top_p", float, 1.0, 0.0, 1.0)
     top_k = _number(body, "top_k", int, 0, 0, 1 << 30)
     min_p = _number(body, "min_p", float, 0.0, 0.0, 1.0)
     seed = _number(body, "seed", int, None, 0, MAX_SEED)
-    if temp == 0:
+    processors = _processors(body, vocab_size)
+    if temp == 0 and not processors["logit_bias"] and not any(processors[f"{n}_penalty"] for n in PENALTIES):
         return None
-    return SamplingParams(temp=temp, top_p=top_p if top_p < 1 else 0.0, top_k=top_k, min_p=min_p, seed=seed)
+    return {"temp": temp, "top_p": top_p if top_p < 1 else 0.0, "top_k": top_k, "min_p": min_p, "seed": seed,
+            "processors": processors}
+
+
+# Fields of OpenAI's API this server does not implement, and the values that mean "not used".
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+               "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""),
+               "best_of": (None, 1)}
+
+
+def _check_unsupported(body: dict) -> None:
+    """A field asking for what this server does not do fails the request (its reply would
+    silently lack what the client asked for)."""
+    for key, unused in UNSUPPORTED.items():
+        if key in body and body[key] not in unused:
+            raise RequestError(400, f"'{key}' is not supported by this server", key, "unsupported_parameter")
+
+
+def _completion_prompt(served: Served, prompt: Any) -> list[int]:
+    """A completion's prompt: a string, a list of one string, or token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return served.tokenizer.encode(_text(prompt, "prompt"))
+    vocab_size = text_args(served.model).vocab_size
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt)):
+        return prompt
+    raise RequestError(400, f"'prompt' must be a non-empty string (one per request) or a list of token ids "
+                       f"(0..{vocab_size - 1})", "prompt")
 
 
 def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
@@ -177,13 +243,10 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be true or false", "stream")
-    if chat:
-        prompt = _chat_prompt(served, body.get("messages"))
-    else:
-        text = body.get("prompt")
-        if not isinstance(text, str) or not text:
-            raise RequestError(400, "'prompt' must be a non-empty string", "prompt")
-        prompt = served.tokenizer.encode(_text(text, "prompt"))
+    if not isinstance(body.get("stream_options") or {}, dict):  # (usage ends every stream: include_usage or not)
+        raise RequestError(400, "'stream_options' must be an object", "stream_options")
+    _check_unsupported(body)
+    prompt = _chat_prompt(served, body.get("messages")) if chat else _completion_prompt(served, body.get("prompt"))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     default = max(1, min(DEFAULT_MAX_TOKENS, served.max_tokens_limit, served.context_limit - len(prompt)))
     max_tokens = _number(body, limit_key, int, default, 1, served.max_tokens_limit)
@@ -196,22 +259,18 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
         raise RequestError(400, "'stop' must be a string or a list of at most 4 strings", "stop")
     stop = [_text(s, "stop") for s in stop]
-    return Job(prompt, max_tokens, stop, _sampling(body), chat, stream)
+    return Job(prompt, max_tokens, stop, _sampling(body, text_args(served.model).vocab_size), chat, stream)
 
 
 def job_payload(job: Job) -> dict:
     """What the other processes of a sharded target need to generate a job alongside."""
-    s = job.sampling
-    sampling = None if s is None else {"temp": s.temp, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-                                       "seed": s.seed}
     return {"prompt": job.prompt, "max_tokens": job.max_tokens, "stop": job.stop, "chat": job.chat,
-            "sampling": sampling}
+            "sampling": job.sampling}
 
 
 def job_from_payload(payload: dict) -> Job:
-    sampling = payload["sampling"]
-    return Job(payload["prompt"], payload["max_tokens"], payload["stop"],
-               None if sampling is None else SamplingParams(**sampling), payload["chat"], stream=False)
+    return Job(payload["prompt"], payload["max_tokens"], payload["stop"], payload["sampling"], payload["chat"],
+               stream=False)
 
 
 def generations(served: Served) -> Callable[[Job], Iterator]:
@@ -223,7 +282,7 @@ def generations(served: Served) -> Callable[[Job], Iterator]:
         # (a completion continues its prompt exactly: its first token keeps a leading space)
         return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
                                max_tokens=job.max_tokens, block_size=block_size, stop=job.stop,
-                               sampling=job.sampling, adaptive=adaptive, continuation=not job.chat,
+                               sampling=job.sampling_params(), adaptive=adaptive, continuation=not job.chat,
                                trees=served.trees, prefix_cache=served.prefix_cache)
     return stream
 
@@ -298,13 +357,14 @@ def create_app(served: Served) -> FastAPI:
     async def run(job: Job, request: Request) -> AsyncIterator:
         """Responses of one generation; stops when the client goes away. A request joins the
         batch where there is one, unless it is the only request (then it runs alone, on the
-        single-sequence engine: queued cycles, compiled blocks) or it has a seed (the batch's
-        block sizes would change its draws: alone, a seed gives the same text)."""
-        seeded = job.sampling is not None and job.sampling.seed is not None
-        if worker is not None and not seeded and (worker.busy or solo.locked()):
+        single-sequence engine: queued cycles, compiled blocks) or the batch cannot take how it
+        samples (``batch.batches``: a seed, the batch's block sizes would change its draws; logits
+        processors)."""
+        sampling = job.sampling_params()
+        if worker is not None and batches(sampling) and (worker.busy or solo.locked()):
             text = TextStream(served.tokenizer, mx.array(job.prompt), job.max_tokens, job.stop, not job.chat)
             try:
-                async for response in worker.stream(BatchRequest(job.prompt, job.max_tokens, text, job.sampling),
+                async for response in worker.stream(BatchRequest(job.prompt, job.max_tokens, text, sampling),
                                                     request.is_disconnected):
                     yield response
             finally:
