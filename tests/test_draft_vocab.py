@@ -46,6 +46,30 @@ def test_proposals_come_from_the_draft_vocabulary_and_output_stays_exact(tiny_di
     assert result.tokens == reference
 
 
+def test_a_tree_takes_its_candidates_from_the_draft_vocabulary(tiny_dir):
+    """Trees draft through the draft vocabulary's smaller head too: every node's token is one
+    of its ids, and the output is still the target's."""
+    from mlx_dflash.engine import decode_cycles
+    from mlx_dflash.tree import draft_tree
+
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "vocab-tree-qwen3", "qwen3", "def add(a, b):", 30)
+    config = json.loads((tiny_dir / "vocab-tree-qwen3" / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, block_size=8, mask_token_id=MASK_ID)
+    vocab = list(range(1, config["vocab_size"], 3))
+    draft.config.draft_vocab = vocab
+    proposer = DFlashProposer(draft)
+    target = Target(model, draft.config.target_layer_ids)
+    proposer.start(target)
+    _, features = target(mx.array(prompt)[None], target.make_cache())
+    proposer.add_context(features)
+    logits, columns = proposer.candidate_logits(mx.array([5], dtype=mx.uint32), 7)
+    assert logits.shape == (7, len(vocab))
+    tree = draft_tree(5, logits, 20, columns)
+    assert tree.size == 21 and all(t in vocab for t in tree.tokens[1:])
+    cycles = list(decode_cycles(target, DFlashProposer(draft), mx.array(prompt), 30, 8, tree_budget=20))
+    assert [t for c in cycles for t in c.tokens] == reference and max(c.block_size for c in cycles) == 21
+
+
 def test_draft_vocabulary_round_trips_and_bad_files_fail_clearly(tiny_dir, tmp_path):
     config = json.loads((make_tiny_target(tiny_dir / "vocab-io", "qwen3") / "config.json").read_text())
     draft = create_random_draft(config, num_layers=1, block_size=4, mask_token_id=MASK_ID)

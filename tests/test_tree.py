@@ -110,6 +110,9 @@ class PlantedProposer(ReplayProposer):
         self.cycle += 1
         return mx.array(logits)
 
+    def candidate_logits(self, first_token: mx.array, num_tokens: int) -> tuple[mx.array, None]:
+        return self.draft_logits(first_token, num_tokens), None
+
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
         return mx.argmax(self.draft_logits(first_token, num_tokens), axis=-1)
 

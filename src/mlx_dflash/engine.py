@@ -112,7 +112,7 @@ class BlockRunner:
         self.queue_blocks = sampling is None and target.rolls_back_on_device and target.options.queue_ahead
         # Trees (sizes past the block: tree.py) where the target, the proposer and the sampling allow
         # them. A tree is built on the host from the draft's distributions: never queued ahead.
-        self.trees = target.verifies_trees and hasattr(proposer, "draft_logits") and not processors and block_size > 1
+        self.trees = target.verifies_trees and hasattr(proposer, "candidate_logits") and not processors and block_size > 1
         self.tree_budget = tree_budget if self.trees else None
 
     def queues(self, size: int) -> bool:
@@ -155,8 +155,8 @@ class BlockRunner:
     def _launch_tree(self, first: mx.array, budget: int, tic: float) -> Block:
         """Draft a full block's slots after ``first``, grow the tree of ``budget`` nodes from
         their distributions (the host reads each slot's top candidates), verify it in one pass."""
-        logits = self.proposer.draft_logits(first, self.block_size - 1)
-        tree = draft_tree(first.item(), logits, budget)
+        logits, columns = self.proposer.candidate_logits(first, self.block_size - 1)
+        tree = draft_tree(first.item(), logits, budget, columns)
         logits, features = self.target.verify_tree(tree, self.cache)
         choices = node_choices(self.sampling, logits[0])
         mx.async_eval(choices, features)

@@ -132,12 +132,23 @@ class DFlashProposer:
         """Logits [num_tokens, V] over the whole vocabulary (one draft pass): what v1 sampling needs."""
         return self.draft.scale_logits(self.target.head(self._slot_hidden(first_token, num_tokens))[0])
 
+    def candidate_logits(self, first_token: mx.array, num_tokens: int) -> tuple[mx.array, Optional[mx.array]]:
+        """Where a tree's candidates come from (one draft pass, ``tree.py``): logits [num_tokens,
+        V'] over the draft vocabulary if it has one, and the token id of each column (None: the
+        whole vocabulary). A smaller head, as greedy drafts take: whatever the candidates, the
+        target's own choices walk the tree."""
+        return self._greedy_logits(first_token, num_tokens)[1], self.draft_vocab
+
+    def _greedy_logits(self, first_token: mx.array, num_tokens: int) -> tuple[mx.array, mx.array]:
+        """(the slots' hidden states, their logits over the draft vocabulary or the whole one)."""
+        hidden = self._slot_hidden(first_token, num_tokens)[0]
+        head = self.target.head if self.vocab_head is None else self.vocab_head
+        return hidden, self.draft.scale_logits(head(hidden))
+
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Greedy drafts (one draft pass), from the draft vocabulary if it has one; a DFlash2
         draft's selector picks each slot among the head's top-k by the token before it."""
-        hidden = self._slot_hidden(first_token, num_tokens)[0]
-        head = self.target.head if self.vocab_head is None else self.vocab_head
-        logits = self.draft.scale_logits(head(hidden))
+        hidden, logits = self._greedy_logits(first_token, num_tokens)
         if self.selects:
             return self._walk(hidden, logits, first_token, self.draft_vocab)[0]
         drafted = mx.argmax(logits, axis=-1)

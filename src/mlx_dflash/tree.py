@@ -107,10 +107,12 @@ def top_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return logprobs, mx.take_along_axis(ids, order, axis=-1)
 
 
-def draft_tree(root: int, logits: mx.array, budget: int) -> DraftTree:
-    """The tree of ``budget`` nodes from a draft's logits [depth, V] (one host read)."""
+def draft_tree(root: int, logits: mx.array, budget: int, columns: Optional[mx.array] = None) -> DraftTree:
+    """The tree of ``budget`` nodes from a draft's logits [depth, V] (one host read); ``columns``:
+    the token id of each column (a draft vocabulary's; None: the column's own index). Over a
+    draft vocabulary the log-probabilities are normalized over it."""
     logprobs, ids = top_candidates(logits, budget)
-    return build_tree(root, np.array(logprobs), np.array(ids), budget)
+    return build_tree(root, np.array(logprobs), np.array(ids if columns is None else columns[ids]), budget)
 
 
 def tree_mask(tree: DraftTree, sequential: mx.array, first_column: int, window: Optional[int] = None) -> mx.array:
