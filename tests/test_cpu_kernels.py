@@ -77,6 +77,21 @@ def test_rope_is_nn_ropes_bit_for_bit(base, scale):
     assert cpu_kernels._rotations.cache_info().misses == made + 1
 
 
+@pytest.mark.parametrize("base,scale", [(10_000.0, 1.0), (1e6, 0.5)])
+def test_rope_at_a_trees_depths_is_each_nodes_own_rope(base, scale):
+    """A tree's nodes from the shared tables: bit for bit each node rotated at its own position;
+    None (the caller's per-node rotation) where the tables do not apply."""
+    module = nn.RoPE(32, base=base, scale=scale)
+    depths = [0, 1, 2, 2, 3, 3, 3, 5, 9]
+    x = mx.random.normal((1, 4, len(depths), 32)) * 3
+    for offset in (0, 211):
+        each = mx.concatenate([module(x[:, :, i : i + 1], offset=offset + d) for i, d in enumerate(depths)], axis=2)
+        assert mx.array_equal(cpu_kernels.rope_at_depths(module, x, offset, depths), each).item()
+    for other, t, offset in [(nn.RoPE(32, traditional=True), x, 3), (module, x.astype(mx.bfloat16), 3),
+                             (module, x, mx.array(3))]:
+        assert cpu_kernels.rope_at_depths(other, t, offset, depths) is None
+
+
 def test_rope_leaves_other_cases_to_the_module(monkeypatch):
     """Traditional or partial rotations, subclasses (their own frequencies), offsets on the
     device, half precision and GPUs: the module's own call."""

@@ -158,6 +158,18 @@ def rope(module: nn.Module, x: mx.array, offset: Union[int, mx.array] = 0) -> mx
     return _rotate(x, _rotations(module.dims, module.base, module.scale, offset, x.shape[-2], threading.get_ident()))
 
 
+def rope_at_depths(module: nn.Module, x: mx.array, offset: Union[int, mx.array], depths: list[int]
+                   ) -> Optional[mx.array]:
+    """A tree's nodes (``x`` [B, heads, nodes, dims]) rotated by an ``nn.RoPE`` at positions
+    ``offset + depths``, from ``rope``'s tables (rows gathered by depth); None where ``rope``'s
+    tables do not apply (the caller then rotates each node at its own offset)."""
+    if not (_cpu_float32(x.dtype) and type(module) is nn.RoPE and not module.traditional
+            and module.dims == x.shape[-1] and isinstance(offset, int)):
+        return None
+    table = _rotations(module.dims, module.base, module.scale, offset, max(depths) + 1, threading.get_ident())
+    return _rotate(x, table[mx.array(depths)])
+
+
 @lru_cache(maxsize=8)
 def _rotations(dims: int, base: float, scale: float, offset: int, length: int, thread: int) -> mx.array:
     """[length, dims]: the cosines, then the sines, of RoPE's angles at positions offset, ...,

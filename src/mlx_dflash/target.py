@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from .cpu_kernels import block_kernels
+from .cpu_kernels import block_kernels, rope_at_depths
 from .delta_rule import BlockDeltaMixer
 from .distributed import check_shardable, pipeline_stages, shard, sharding_group
 from .draft import DFlashDraft
@@ -83,14 +83,20 @@ class TappedLayer(nn.Module):
 
 class TreeRope(nn.Module):
     """A layer's RoPE during a tree's verify: each node at the block's start plus its depth
-    (one call: the nodes become the batch, each with its own offset)."""
+    (one call: the nodes become the batch, each with its own offset). With the depths known to
+    the host (an eager verify), on the CPU the rows of ``cpu_kernels``' shared tables instead:
+    the same numbers, without rebuilding the tables in every layer."""
 
-    def __init__(self, rope: nn.Module, depths: mx.array):
+    def __init__(self, rope: nn.Module, depths: mx.array, known: Optional[list[int]] = None):
         super().__init__()
         self.rotate = rope.__call__  # (a plain attribute: the module stays its parent's)
-        self.depths = depths
+        self.depths, self.known = depths, known
 
     def __call__(self, x: mx.array, offset: Union[int, mx.array] = 0) -> mx.array:
+        if self.known is not None:
+            rotated = rope_at_depths(self.rotate.__self__, x, offset, self.known)
+            if rotated is not None:
+                return rotated
         return self.rotate(x.swapaxes(0, 2), offset=offset + self.depths).swapaxes(0, 2)
 
 
@@ -323,13 +329,14 @@ class Target:
         tokens = mx.array(tree.tokens, dtype=mx.uint32)[None]
         if self._compiles(tokens, cache, tree=True):
             return self._compiled_block(tokens, cache, tree)
-        within = self._tree_ropes(mx.array(tree.depths))
+        within = self._tree_ropes(mx.array(tree.depths), tree.depths)
         return self._forward(tokens, [TreeMaskedCache(c, tree) for c in cache], block=True, within=within)
 
-    def _tree_ropes(self, depths: mx.array) -> AbstractContextManager:
-        """The model's RoPE modules at the block's start plus ``depths`` (``TreeRope``)."""
+    def _tree_ropes(self, depths: mx.array, known: Optional[list[int]] = None) -> AbstractContextManager:
+        """The model's RoPE modules at the block's start plus ``depths`` (``TreeRope``; ``known``:
+        the same depths on the host)."""
         parents = [module for layer in self.model.layers for module in layer.modules() if "rope" in module.children()]
-        return swapped([(parent, "rope", parent.rope, TreeRope(parent.rope, depths)) for parent in parents])
+        return swapped([(parent, "rope", parent.rope, TreeRope(parent.rope, depths, known)) for parent in parents])
 
     def keep_path(self, cache: list[Any], path: list[int], tree_size: int) -> None:
         """After ``verify_tree``: keep the accepted nodes (``path``, from the root), moved to
