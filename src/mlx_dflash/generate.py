@@ -4,9 +4,9 @@ streamed text, with EOS and stop strings, the model's context bound, and statist
 from __future__ import annotations
 
 import time
-from numbers import Integral
 from contextlib import closing
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx

@@ -26,9 +26,8 @@ import anyio
 import mlx.core as mx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from mlx_lm.sample_utils import make_logits_processors
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .batch import BatchDecoder, batches
 from .distributed import receive_job, send_job, sharding_group
@@ -210,13 +209,12 @@ def _check_unsupported(body: dict) -> None:
             raise RequestError(400, f"'{key}' is not supported by this server", key, "unsupported_parameter")
 
 
-def _completion_prompt(served: Served, prompt: Any) -> list[int]:
+def _completion_prompt(served: Served, prompt: Any, vocab_size: int) -> list[int]:
     """A completion's prompt: a string, a list of one string, or token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return served.tokenizer.encode(_text(prompt, "prompt"))
-    vocab_size = text_args(served.model).vocab_size
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt)):
         return prompt
@@ -246,7 +244,9 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
     if not isinstance(body.get("stream_options") or {}, dict):  # (usage ends every stream: include_usage or not)
         raise RequestError(400, "'stream_options' must be an object", "stream_options")
     _check_unsupported(body)
-    prompt = _chat_prompt(served, body.get("messages")) if chat else _completion_prompt(served, body.get("prompt"))
+    vocab_size = text_args(served.model).vocab_size
+    prompt = (_chat_prompt(served, body.get("messages")) if chat
+              else _completion_prompt(served, body.get("prompt"), vocab_size))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     default = max(1, min(DEFAULT_MAX_TOKENS, served.max_tokens_limit, served.context_limit - len(prompt)))
     max_tokens = _number(body, limit_key, int, default, 1, served.max_tokens_limit)
@@ -259,7 +259,7 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
         raise RequestError(400, "'stop' must be a string or a list of at most 4 strings", "stop")
     stop = [_text(s, "stop") for s in stop]
-    return Job(prompt, max_tokens, stop, _sampling(body, text_args(served.model).vocab_size), chat, stream)
+    return Job(prompt, max_tokens, stop, _sampling(body, vocab_size), chat, stream)
 
 
 def job_payload(job: Job) -> dict:
