@@ -28,20 +28,25 @@ def test_head_rows_equal_the_full_heads_columns(tiny_dir, tie, quantize):
     assert mx.allclose(target.head_rows(ids)(hidden), full[..., ids], atol=1e-5)
 
 
-def test_proposals_come_from_the_draft_vocabulary_and_output_stays_exact(tiny_dir):
-    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "vocab-qwen3", "qwen3", "def add(a, b):", 30)
-    path = tiny_dir / "vocab-qwen3"
-    config = json.loads((path / "config.json").read_text())
+def vocab_pair(tiny_dir, name: str, first_id: int):
+    """A tiny qwen3 target, a random draft with a draft vocabulary (every third id from
+    ``first_id``) and its proposer holding a prompt's context."""
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / name, "qwen3", "def add(a, b):", 30)
+    config = json.loads((tiny_dir / name / "config.json").read_text())
     draft = create_random_draft(config, num_layers=1, block_size=8, mask_token_id=MASK_ID)
-    vocab = list(range(0, config["vocab_size"], 3))
-    draft.config.draft_vocab = vocab
+    draft.config.draft_vocab = list(range(first_id, config["vocab_size"], 3))
     proposer = DFlashProposer(draft)
     target = Target(model, draft.config.target_layer_ids)
     proposer.start(target)
     _, features = target(mx.array(prompt)[None], target.make_cache())
     proposer.add_context(features)
+    return model, tokenizer, prompt, reference, draft, target, proposer
+
+
+def test_proposals_come_from_the_draft_vocabulary_and_output_stays_exact(tiny_dir):
+    model, tokenizer, prompt, reference, draft, _, proposer = vocab_pair(tiny_dir, "vocab-qwen3", 0)
     drafted = proposer.propose(mx.array([5], dtype=mx.uint32), 7).tolist()
-    assert all(t in vocab for t in drafted)
+    assert all(t in draft.config.draft_vocab for t in drafted)
     result = generate(model, tokenizer, prompt, draft, max_tokens=30)
     assert result.tokens == reference
 
@@ -52,16 +57,8 @@ def test_a_tree_takes_its_candidates_from_the_draft_vocabulary(tiny_dir):
     from mlx_dflash.engine import decode_cycles
     from mlx_dflash.tree import draft_tree
 
-    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "vocab-tree-qwen3", "qwen3", "def add(a, b):", 30)
-    config = json.loads((tiny_dir / "vocab-tree-qwen3" / "config.json").read_text())
-    draft = create_random_draft(config, num_layers=1, block_size=8, mask_token_id=MASK_ID)
-    vocab = list(range(1, config["vocab_size"], 3))
-    draft.config.draft_vocab = vocab
-    proposer = DFlashProposer(draft)
-    target = Target(model, draft.config.target_layer_ids)
-    proposer.start(target)
-    _, features = target(mx.array(prompt)[None], target.make_cache())
-    proposer.add_context(features)
+    _, _, prompt, reference, draft, target, proposer = vocab_pair(tiny_dir, "vocab-tree-qwen3", 1)
+    vocab = draft.config.draft_vocab
     logits, columns = proposer.candidate_logits(mx.array([5], dtype=mx.uint32), 7)
     assert logits.shape == (7, len(vocab))
     tree = draft_tree(5, logits, 20, columns)
