@@ -135,6 +135,7 @@ def test_chat_streaming_equals_generate(server):
     assert text == expected_chat(model, tokenizer, draft, MESSAGES, 24).text
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 24
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", None]  # (the first delta names it)
 
 
 def test_completions_with_stop(server):

@@ -311,9 +311,12 @@ def _usage(job: Job, completion_tokens: int, acceptance: list[int], last) -> dic
     }
 
 
-def _chunk(job: Job, rid: str, created: int, name: str, text: str, finish: Optional[str], usage=None) -> dict:
+def _chunk(job: Job, rid: str, created: int, name: str, text: str, finish: Optional[str], usage=None,
+           first: bool = False) -> dict:
+    """A streamed event; a chat's ``first`` names the role, as OpenAI's first delta does."""
     if job.chat:
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+        delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish}
@@ -410,13 +413,15 @@ def create_app(served: Served) -> FastAPI:
         created = int(time.time())
         if job.stream:
             async def events():
-                tokens, acceptance, last = 0, [], None
+                tokens, acceptance, last, sent = 0, [], None, False
                 try:
                     async for r in run(job, request):
                         last, tokens = r, tokens + len(r.tokens)
                         acceptance += [r.acceptance_length] if r.acceptance_length else []
                         if r.text:
-                            yield f"data: {json.dumps(_chunk(job, rid, created, served.name, r.text, None))}\n\n"
+                            chunk = _chunk(job, rid, created, served.name, r.text, None, first=not sent)
+                            sent = True
+                            yield f"data: {json.dumps(chunk)}\n\n"
                 except Exception as exc:  # after the 200: the error goes in the stream, as OpenAI's does
                     error = {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "param": None,
                              "code": None}
@@ -425,7 +430,8 @@ def create_app(served: Served) -> FastAPI:
                 if last is not None:
                     finish = "length" if last.finish_reason == "length" else "stop"
                     usage = _usage(job, tokens, acceptance, last)
-                    yield f"data: {json.dumps(_chunk(job, rid, created, served.name, '', finish, usage))}\n\n"
+                    chunk = _chunk(job, rid, created, served.name, '', finish, usage, first=not sent)
+                    yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
