@@ -154,10 +154,14 @@ def test_tree_generation_is_the_targets(planted, mode, options):
     assert np.mean(acceptance) > np.mean(chain_acceptance) + 0.5, (acceptance, chain_acceptance)
 
 
-def test_a_tree_of_one_node_is_a_chain_of_two(planted):
+def test_a_budget_within_the_block_runs_chains_of_that_many_drafts(planted):
+    """Trees are sizes past the block (``policy.candidate_sizes``): a budget B within it gives
+    chains of 1 + B tokens (the public entry points refuse such budgets: ``check_tree_budget``)."""
     _, model, prompt, reference, proposer = planted
-    tokens, acceptance, _ = _generate(model, proposer, prompt, budget=1)
-    assert tokens == reference and max(acceptance) <= 2
+    target = Target(model, proposer.layer_ids)
+    cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, 8, tree_budget=1))
+    assert [t for c in cycles for t in c.tokens] == reference
+    assert {c.block_size for c in cycles[1:-1]} == {2} and max(c.acceptance_length for c in cycles[1:]) <= 2
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])
