@@ -35,13 +35,16 @@ def brute_force_top(logprobs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
     return {ranks for _, ranks in scored[:budget]}
 
 
+def tree_prefix(tree: DraftTree, ids: np.ndarray, node: int) -> tuple[int, ...]:
+    """A node's prefix as a rank tuple (ids[d] lists depth d + 1's candidates)."""
+    if node == 0:
+        return ()
+    rank = list(ids[tree.depths[node] - 1]).index(tree.tokens[node])
+    return tree_prefix(tree, ids, tree.parents[node]) + (rank,)
+
+
 def tree_prefixes(tree: DraftTree, ids: np.ndarray) -> set[tuple[int, ...]]:
-    """Each node's prefix as rank tuples (ids[d] lists depth d + 1's candidates)."""
-    prefixes = {0: ()}
-    for node in range(1, tree.size):
-        rank = list(ids[tree.depths[node] - 1]).index(tree.tokens[node])
-        prefixes[node] = prefixes[tree.parents[node]] + (rank,)
-    return set(prefixes[node] for node in range(1, tree.size))
+    return {tree_prefix(tree, ids, node) for node in range(1, tree.size)}
 
 
 @pytest.mark.parametrize("depth,k,budget", [(1, 4, 3), (3, 3, 5), (4, 2, 9), (3, 4, 20), (2, 5, 25), (5, 3, 1)])
@@ -53,7 +56,9 @@ def test_tree_is_the_best_prefixes(depth, k, budget):
     assert tree.size == 1 + min(budget, sum(k**d for d in range(1, depth + 1)))
     assert tree_prefixes(tree, ids) == brute_force_top(logprobs, budget)
     assert all(tree.parents[n] < n and tree.depths[n] == tree.depths[tree.parents[n]] + 1 for n in range(1, tree.size))
-    assert tree.depths == sorted(tree.depths) and tree.tokens[0] == 7
+    assert tree.tokens[0] == 7
+    chain = [n for n in range(tree.size) if all(r == 0 for r in tree_prefix(tree, ids, n))]  # (the draft's own)
+    assert chain == list(range(len(chain)))  # nodes 0, 1, 2, ...: walking it moves nothing
 
 
 def test_top_candidates_are_sorted_log_probabilities():

@@ -25,8 +25,9 @@ from .cpu_kernels import logsumexp
 
 @dataclass
 class DraftTree:
-    """Nodes in order of depth, the root (the block's first token, index 0) first; a node's
-    parent always comes before it."""
+    """Nodes depth first, the root (the block's first token) at index 0 and each node's more
+    likely children before its others: the draft's own chain is nodes 0, 1, 2, ..., so a walk
+    along it keeps nodes already in place (``rollback.keep_path`` moves nothing)."""
 
     tokens: list[int]
     parents: list[int]  # -1 for the root
@@ -84,14 +85,18 @@ def build_tree(root: int, logprobs: np.ndarray, ids: np.ndarray, budget: int) ->
         if depth + 1 < depth_max:
             heapq.heappush(heap, (negative - float(logprobs[depth + 1, 0]), order, depth + 1, 0, me))
             order += 1
-    ranked = sorted(range(len(popped)), key=lambda i: popped[i][0])  # by depth, stable: parents first
-    index = {pop: node + 1 for node, pop in enumerate(ranked)}
+    children: dict[int, list[int]] = {}  # pop index (-1: the root) -> its children's, in pop order: best first
+    for pop, (_, _, parent) in enumerate(popped):
+        children.setdefault(parent, []).append(pop)
     tokens, parents, depths = [root], [-1], [0]
-    for pop in ranked:
-        depth, token, parent = popped[pop]
+    stack = [(pop, 0) for pop in reversed(children.get(-1, []))]  # (pop index, its parent's node)
+    while stack:
+        pop, parent = stack.pop()
+        depth, token, _ = popped[pop]
         tokens.append(token)
-        parents.append(0 if parent < 0 else index[parent])
+        parents.append(parent)
         depths.append(depth)
+        stack += [(child, len(tokens) - 1) for child in reversed(children.get(pop, []))]
     return DraftTree(tokens, parents, depths)
 
 
