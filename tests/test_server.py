@@ -214,7 +214,7 @@ def test_a_job_crosses_to_the_other_processes_whole():
     job = Job([1, 2, 3], 5, ["x"], sampling, True, False)
     again = job_from_payload(json.loads(json.dumps(job_payload(job))))
     logits, history = mx.random.normal((1, 16), key=mx.random.key(0)), mx.array([3, 3, 5])
-    ours, theirs = job.sampling_params(), again.sampling_params()
+    ours, theirs = job.sampling_params, again.sampling_params
     assert (ours.temp, ours.top_p, ours.seed) == (theirs.temp, theirs.top_p, theirs.seed)
     assert mx.array_equal(ours.process_row(logits, history), theirs.process_row(logits, history))
     assert not mx.array_equal(ours.process_row(logits, history), logits)

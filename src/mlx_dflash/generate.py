@@ -91,8 +91,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> mx.array:
     elif isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    if not isinstance(prompt, mx.array) and not all(isinstance(t, Integral) and t >= 0 for t in prompt):
-        raise DFlashError("a prompt of token ids takes non-negative integers")
+    elif not isinstance(prompt, mx.array) and not all(isinstance(t, Integral) and t >= 0 for t in prompt):
+        raise DFlashError("a prompt of token ids takes non-negative integers")  # (the caller's own ids only)
     prompt = mx.array(prompt, dtype=mx.uint32) if not isinstance(prompt, mx.array) else prompt.astype(mx.uint32)
     if prompt.ndim != 1 or prompt.size == 0:
         raise DFlashError("the prompt is empty")

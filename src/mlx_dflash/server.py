@@ -15,6 +15,7 @@ others, which generate it alongside (``follow``); a generation then always runs 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -106,7 +107,9 @@ class Job:
     chat: bool
     stream: bool
 
+    @functools.cached_property
     def sampling_params(self) -> Optional[SamplingParams]:
+        """The request's sampling (built once: the route to the batch and the generation read it)."""
         if self.sampling is None:
             return None
         fields = dict(self.sampling)
@@ -282,7 +285,7 @@ def generations(served: Served) -> Callable[[Job], Iterator]:
         # (a completion continues its prompt exactly: its first token keeps a leading space)
         return stream_generate(served.model, served.tokenizer, job.prompt, served.draft,
                                max_tokens=job.max_tokens, block_size=block_size, stop=job.stop,
-                               sampling=job.sampling_params(), adaptive=adaptive, continuation=not job.chat,
+                               sampling=job.sampling_params, adaptive=adaptive, continuation=not job.chat,
                                trees=served.trees, prefix_cache=served.prefix_cache)
     return stream
 
@@ -363,7 +366,7 @@ def create_app(served: Served) -> FastAPI:
         single-sequence engine: queued cycles, compiled blocks) or the batch cannot take how it
         samples (``batch.batches``: a seed, the batch's block sizes would change its draws; logits
         processors)."""
-        sampling = job.sampling_params()
+        sampling = job.sampling_params
         if worker is not None and batches(sampling) and (worker.busy or solo.locked()):
             text = TextStream(served.tokenizer, mx.array(job.prompt), job.max_tokens, job.stop, not job.chat)
             try:
