@@ -236,7 +236,7 @@ def test_a_job_crosses_to_the_other_processes_whole():
         (b"[1, 2]", 400, "JSON object"),
         (json.dumps({"messages": MESSAGES, "logprobs": True}).encode(), 400, "'logprobs' is not supported"),
         (json.dumps({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(),
-         400, "'tools' is not supported"),
+         400, "has no tool calling"),
         (json.dumps({"messages": MESSAGES, "response_format": {"type": "json_object"}}).encode(), 400,
          "'response_format' is not supported"),
         (json.dumps({"messages": MESSAGES, "presence_penalty": "a"}).encode(), 400, "presence_penalty"),

@@ -77,9 +77,10 @@ def make_proposer(model: nn.Module, draft: Union[DFlashDraft, Proposer],
 Prompt = Union[str, list[int], list[dict], mx.array]
 
 
-def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> mx.array:
+def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False, tools: Optional[list] = None) -> mx.array:
     """Token ids of a prompt: ids as given; text as is, or in the chat template (``chat``);
-    a list of chat messages ({"role", "content"} dicts) always in the chat template."""
+    a list of chat messages ({"role", "content"} dicts) always in the chat template, which
+    also lists ``tools`` (OpenAI's function definitions) where given."""
     is_messages = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
     if chat or is_messages:
         if getattr(tokenizer, "chat_template", None) is None:
@@ -87,7 +88,8 @@ def encode_prompt(tokenizer, prompt: Prompt, chat: bool = False) -> mx.array:
         if not is_messages and not isinstance(prompt, str):
             raise DFlashError("chat needs a text prompt or a list of {'role', 'content'} messages")
         messages = prompt if is_messages else [{"role": "user", "content": prompt}]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                               **({"tools": tools} if tools else {}))
     elif isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))

@@ -40,8 +40,9 @@ from .prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
 from .scheduler import BatchRequest, BatchWorker
 from .sampling import MAX_SEED, SamplingParams
 from .target import text_args
+from .tool_calls import ToolCallText
 
-ROLES = {"system", "user", "assistant"}
+ROLES = {"system", "user", "assistant", "tool"}
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -106,6 +107,7 @@ class Job:
     sampling: Optional[dict]  # SamplingParams' fields, and ``processors``: make_logits_processors' (None: greedy)
     chat: bool
     stream: bool
+    tools: Optional[list] = None  # the chat's tool definitions: replies are parsed for calls (``tool_calls.py``)
 
     @functools.cached_property
     def sampling_params(self) -> Optional[SamplingParams]:
@@ -152,13 +154,61 @@ def _content(content: Any) -> str:
     raise RequestError(400, "each message needs a string 'content' or a list of text parts", "messages")
 
 
-def _chat_prompt(served: Served, messages: Any) -> list[int]:
+def _turn(message: dict) -> dict:
+    """A message as the chat template takes it; an assistant's earlier tool calls and a tool's
+    reply keep what templates read of them (arguments as objects, as mlx-lm's server passes them)."""
+    calls = message.get("tool_calls")
+    content = message.get("content")
+    turn = {"role": message["role"], "content": "" if content is None and (calls or message["role"] == "tool")
+            else _content(content)}
+    if calls is not None:
+        if message["role"] != "assistant" or not isinstance(calls, list):
+            raise RequestError(400, "'tool_calls' must be a list, in an assistant message", "messages")
+        turn["tool_calls"] = [_earlier_call(call) for call in calls]
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            turn[key] = message[key]
+    return turn
+
+
+def _earlier_call(call: Any) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RequestError(400, "each tool call needs a 'function' with a 'name'", "messages")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise RequestError(400, "a tool call's 'arguments' must be a JSON object", "messages") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _chat_prompt(served: Served, messages: Any, tools: Optional[list]) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "'messages' must be a non-empty list", "messages")
     if not all(isinstance(m, dict) and m.get("role") in ROLES for m in messages):
-        raise RequestError(400, "each message needs a 'role' (system, user or assistant)", "messages")
-    turns = [{"role": m["role"], "content": _content(m.get("content"))} for m in messages]
-    return encode_prompt(served.tokenizer, turns).tolist()
+        raise RequestError(400, "each message needs a 'role' (system, user, assistant or tool)", "messages")
+    return encode_prompt(served.tokenizer, [_turn(m) for m in messages], tools=tools).tolist()
+
+
+def _tools(served: Served, body: dict, chat: bool) -> Optional[list]:
+    """The request's tool definitions (None: no tools, or ``tool_choice`` "none")."""
+    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
+    if tools in (None, []):
+        return None
+    if not chat:
+        raise RequestError(400, "'tools' needs /v1/chat/completions", "tools")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
+                                              and isinstance(t.get("function"), dict)
+                                              and isinstance(t["function"].get("name"), str) for t in tools):
+        raise RequestError(400, "'tools' must be a list of {'type': 'function', 'function': {'name': ...}}", "tools")
+    if choice not in ("auto", "none"):  # ("required" or one named function: generation cannot be made to call)
+        raise RequestError(400, "'tool_choice' may be 'auto' or 'none' on this server", "tool_choice",
+                           "unsupported_parameter")
+    if not getattr(served.tokenizer, "has_tool_calling", False):
+        raise RequestError(400, f"model '{served.name}' has no tool calling in its chat template", "tools")
+    return tools if choice == "auto" else None
 
 
 PENALTIES = {"repetition": (0.0, 10.0), "presence": (-2.0, 2.0), "frequency": (-2.0, 2.0)}  # their ranges
@@ -199,7 +249,7 @@ def _sampling(body: dict, vocab_size: int) -> Optional[dict]:
 
 
 # Fields of OpenAI's API this server does not implement, and the values that mean "not used".
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "functions": (None, []),
                "response_format": (None, {"type": "text"}), "echo": (None, False), "suffix": (None, ""),
                "best_of": (None, 1)}
 
@@ -248,7 +298,8 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
         raise RequestError(400, "'stream_options' must be an object", "stream_options")
     _check_unsupported(body)
     vocab_size = text_args(served.model).vocab_size
-    prompt = (_chat_prompt(served, body.get("messages")) if chat
+    tools = _tools(served, body, chat)
+    prompt = (_chat_prompt(served, body.get("messages"), tools) if chat
               else _completion_prompt(served, body.get("prompt"), vocab_size))
     limit_key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     default = max(1, min(DEFAULT_MAX_TOKENS, served.max_tokens_limit, served.context_limit - len(prompt)))
@@ -262,7 +313,7 @@ def parse_job(served: Served, raw: bytes, chat: bool) -> Job:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
         raise RequestError(400, "'stop' must be a string or a list of at most 4 strings", "stop")
     stop = [_text(s, "stop") for s in stop]
-    return Job(prompt, max_tokens, stop, _sampling(body, vocab_size), chat, stream)
+    return Job(prompt, max_tokens, stop, _sampling(body, vocab_size), chat, stream, tools)
 
 
 def job_payload(job: Job) -> dict:
@@ -314,11 +365,19 @@ def _usage(job: Job, completion_tokens: int, acceptance: list[int], last) -> dic
     }
 
 
+def _finish_reason(last, calls: Optional[ToolCallText]) -> str:
+    """OpenAI's: "length" at max_tokens, "tool_calls" after a reply that called tools, else "stop"."""
+    if last is not None and last.finish_reason == "length":
+        return "length"
+    return "tool_calls" if calls is not None and calls.calls else "stop"
+
+
 def _chunk(job: Job, rid: str, created: int, name: str, text: str, finish: Optional[str], usage=None,
-           first: bool = False) -> dict:
+           first: bool = False, calls: Optional[list] = None) -> dict:
     """A streamed event; a chat's ``first`` names the role, as OpenAI's first delta does."""
     if job.chat:
         delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+        delta |= {"tool_calls": calls} if calls else {}
         choice = {"index": 0, "delta": delta, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
@@ -414,6 +473,7 @@ def create_app(served: Served) -> FastAPI:
             return error_response(400, str(exc))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        calls = ToolCallText(served.tokenizer, job.tools, streaming=job.stream) if job.tools else None
         if job.stream:
             async def events():
                 tokens, acceptance, last, sent = 0, [], None, False
@@ -421,8 +481,9 @@ def create_app(served: Served) -> FastAPI:
                     async for r in run(job, request):
                         last, tokens = r, tokens + len(r.tokens)
                         acceptance += [r.acceptance_length] if r.acceptance_length else []
-                        if r.text:
-                            chunk = _chunk(job, rid, created, served.name, r.text, None, first=not sent)
+                        text, made = calls.add(r.text) if calls is not None else (r.text, [])
+                        if text or made:
+                            chunk = _chunk(job, rid, created, served.name, text, None, first=not sent, calls=made)
                             sent = True
                             yield f"data: {json.dumps(chunk)}\n\n"
                 except Exception as exc:  # after the 200: the error goes in the stream, as OpenAI's does
@@ -431,9 +492,10 @@ def create_app(served: Served) -> FastAPI:
                     yield f"data: {json.dumps({'error': error})}\n\n"
                     return
                 if last is not None:
-                    finish = "length" if last.finish_reason == "length" else "stop"
+                    text, made = calls.finish() if calls is not None else ("", [])
+                    finish = _finish_reason(last, calls)
                     usage = _usage(job, tokens, acceptance, last)
-                    chunk = _chunk(job, rid, created, served.name, '', finish, usage, first=not sent)
+                    chunk = _chunk(job, rid, created, served.name, text, finish, usage, first=not sent, calls=made)
                     yield f"data: {json.dumps(chunk)}\n\n"
                     yield "data: [DONE]\n\n"
 
@@ -443,11 +505,15 @@ def create_app(served: Served) -> FastAPI:
             pieces.append(r.text)
             last, tokens = r, tokens + len(r.tokens)
             acceptance += [r.acceptance_length] if r.acceptance_length else []
-        text = "".join(pieces)
-        finish = "length" if last is not None and last.finish_reason == "length" else "stop"
+        text, made = "".join(pieces), []
+        if calls is not None:
+            (text, made), (rest, more) = calls.add(text), calls.finish()
+            text, made = text + rest, made + more
+        finish = _finish_reason(last, calls)
         usage = _usage(job, tokens, acceptance, last)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            message = {"role": "assistant", "content": text if text or not made else None}
+            choice = {"index": 0, "message": message | ({"tool_calls": made} if made else {}), "finish_reason": finish}
             return {"id": rid, "object": "chat.completion", "created": created, "model": served.name,
                     "choices": [choice], "usage": usage}
         return {"id": rid, "object": "text_completion", "created": created, "model": served.name,
