@@ -3,6 +3,7 @@
 import json
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 import pytest
 from tiny_models import MASK_ID, load_tiny, make_tiny_target, tiny_pair
@@ -55,7 +56,8 @@ def test_a_tree_takes_its_candidates_from_the_draft_vocabulary(tiny_dir):
     """Trees draft through the draft vocabulary's smaller head too: every node's token is one
     of its ids, and the output is still the target's."""
     from mlx_dflash.engine import decode_cycles
-    from mlx_dflash.tree import draft_tree
+    from mlx_dflash.options import EngineOptions
+    from mlx_dflash.tree import device_tree, draft_tree
 
     _, _, prompt, reference, draft, target, proposer = vocab_pair(tiny_dir, "vocab-tree-qwen3", 1)
     vocab = draft.config.draft_vocab
@@ -63,8 +65,12 @@ def test_a_tree_takes_its_candidates_from_the_draft_vocabulary(tiny_dir):
     assert logits.shape == (7, len(vocab))
     tree = draft_tree(5, logits, 20, columns)
     assert tree.size == 21 and all(t in vocab for t in tree.tokens[1:])
-    cycles = list(decode_cycles(target, DFlashProposer(draft), mx.array(prompt), 30, 8, tree_budget=20))
-    assert [t for c in cycles for t in c.tokens] == reference and max(c.block_size for c in cycles) == 21
+    on_device = device_tree(mx.array([5]), logits, 20, columns)
+    assert set(np.array(on_device.tokens[1:]).tolist()) <= set(vocab)
+    queued = EngineOptions(queue_ahead=True, compile_blocks=True, device_trees=True)
+    for target in (target, Target(target.model, proposer.layer_ids, queued)):
+        cycles = list(decode_cycles(target, DFlashProposer(draft), mx.array(prompt), 30, 8, tree_budget=20))
+        assert [t for c in cycles for t in c.tokens] == reference and max(c.block_size for c in cycles) == 21
 
 
 def test_draft_vocabulary_round_trips_and_bad_files_fail_clearly(tiny_dir, tmp_path):

@@ -102,3 +102,11 @@ def test_batch_costs(pair):
     rows = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert rows == [["| 1", "read each cycle"], ["| 1", "queued ahead"], ["| 2", "read each cycle"], ["| 2", "queued ahead"]]
     assert out.count("both ways gave the same tokens: True") == 2
+
+
+def test_tree_costs(pair):
+    model, draft = pair
+    out = run_tool("tree_costs.py", "--model", model, "--draft", draft, "--budgets", "20", "--num-prompts", "2",
+                   "--max-tokens", "12")
+    assert [line.split(" | ")[0] for line in out.splitlines()[2:5]] == ["| chain", "| tree 20, device", "| tree 20, host"]
+    assert "(tree 20: both ways gave the same tokens: True)" in out

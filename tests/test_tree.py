@@ -17,7 +17,8 @@ from mlx_dflash.options import EngineOptions
 from mlx_dflash.replay import ReplayProposer
 from mlx_dflash.sampling import SamplingParams
 from mlx_dflash.target import Target
-from mlx_dflash.tree import DraftTree, build_tree, top_candidates, tree_mask
+from mlx_dflash.tree import (DEVICE_DEVIATIONS, DraftTree, build_tree, candidate_table, device_tree,
+                              top_candidates, tree_mask)
 from mlx_dflash.warmup import ScriptedSizes
 
 TREE_FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss"]
@@ -59,6 +60,57 @@ def test_tree_is_the_best_prefixes(depth, k, budget):
     assert tree.tokens[0] == 7
     chain = [n for n in range(tree.size) if all(r == 0 for r in tree_prefix(tree, ids, n))]  # (the draft's own)
     assert chain == list(range(len(chain)))  # nodes 0, 1, 2, ...: walking it moves nothing
+
+
+def as_host_tree(tree) -> DraftTree:
+    return DraftTree(np.array(tree.tokens).tolist(), [-1] + np.array(tree.parents)[1:].tolist(),
+                     np.array(tree.depths).tolist())
+
+
+@pytest.mark.parametrize("depth,budget,within", [(3, 5, True), (4, 20, True), (7, 12, True), (7, 40, True),
+                                                 (15, 64, False)])
+def test_device_tree_is_the_best_prefixes_it_may_pick(depth, budget, within):
+    """On the device: the best prefixes with at most two ranks off the argmax, each below 4,
+    a tree whose ``ancestors`` and ``parents`` agree; where the host's best-first tree stays
+    within those prefixes (a confident draft), the same tree."""
+    rng = np.random.default_rng(depth * 10 + budget)
+    vocab = 30
+    logits = mx.array(rng.normal(0, 3, (depth, vocab)).astype(np.float32))
+    tree = device_tree(mx.array([7]), logits, budget)
+    logprobs, ids = (np.array(x) for x in top_candidates(logits, 4))
+    host = as_host_tree(tree)
+    assert host.tokens[0] == 7 and host.size == budget + 1
+    assert (np.array(tree.ancestors) == host.ancestors()).all()
+    assert all(host.depths[n] == host.depths[host.parents[n]] + 1 for n in range(1, host.size))
+    may = [tuple(ranks.get(d, 0) for d in range(length)) for length in range(1, depth + 1)
+           for count in range(DEVICE_DEVIATIONS + 1) for where in itertools.combinations(range(length), count)
+           for ranks in (dict(zip(where, r)) for r in itertools.product(range(1, 4), repeat=count))]
+    assert len(may) == candidate_table(depth, 4, DEVICE_DEVIATIONS)[0].shape[0]
+    score = {r: sum(logprobs[d, x] for d, x in enumerate(r)) for r in may}
+    expected = set(sorted(may, key=lambda r: -score[r])[:budget])
+    assert tree_prefixes(host, ids) == expected
+    confident = logits * 4
+    tree = as_host_tree(device_tree(mx.array([7]), confident, budget))
+    logprobs, ids = (np.array(x) for x in top_candidates(confident, budget))
+    reference = build_tree(7, logprobs, ids, budget)
+    assert within == all(sum(r > 0 for r in prefix) <= DEVICE_DEVIATIONS and max(prefix) < 4
+                         for prefix in tree_prefixes(reference, ids))
+    assert (tree_prefixes(tree, ids) == tree_prefixes(reference, ids)) == within
+
+
+def test_device_walk_is_the_host_walk():
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        tree = device_tree(mx.array([3]), mx.array(rng.normal(0, 2, (7, 12)).astype(np.float32)), 1 + trial % 30)
+        host = as_host_tree(tree)
+        children = host.children()
+        choices = [int(rng.choice(list(children[n]))) if children[n] and rng.random() < 0.8 else int(rng.integers(12))
+                   for n in range(host.size)]
+        path, bonus = host.walk(choices)
+        order, accepted = tree.walk(mx.array(choices))
+        a = accepted.item()
+        assert a == len(path) - 1 and np.array(order)[: a + 1].tolist() == path
+        assert choices[path[-1]] == bonus and sorted(np.array(order).tolist()) == list(range(host.size))
 
 
 def test_top_candidates_are_sorted_log_probabilities():
@@ -136,12 +188,17 @@ def planted(request, tiny_dir):
 
 def _generate(model, proposer, prompt, options=EngineOptions(), sampling=None, budget=12, block_size=8):
     target = Target(model, proposer.layer_ids, options)
+    moved = []  # trees walked on the device (``Target.move_path``)
+    move_path = target.move_path
+    target.move_path = lambda *args: moved.append(move_path(*args))
     cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, block_size, sampling,
                                 tree_budget=budget))
+    target.device_trees = len(moved)
     return [t for c in cycles for t in c.tokens], [c.acceptance_length for c in cycles[1:]], target
 
 
-GPU_PATHS = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True, rowwise_products=True)
+GPU_PATHS = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True, rowwise_products=True,
+                          device_trees=True)
 
 
 @pytest.mark.parametrize("options", [EngineOptions(), GPU_PATHS], ids=["cpu-paths", "gpu-paths"])
@@ -153,6 +210,8 @@ def test_tree_generation_is_the_targets(planted, mode, options):
     assert tokens == reference
     compiled_trees = any(key[-1] for key in target.recorder.block_forwards)
     assert compiled_trees == (options is GPU_PATHS and target.rolls_back_on_device)  # (rotating caches: eager)
+    # greedy trees queued ahead as blocks are: built, walked and rolled back on the device
+    assert (target.device_trees > 0) == (compiled_trees and sampling is None)
     chain_tokens, chain_acceptance, _ = _generate(model, proposer, prompt, options, sampling, budget=None)
     assert chain_tokens == reference
     # the planted ranks 1 and 2 are found by the tree only: fewer, longer cycles
@@ -167,6 +226,17 @@ def test_a_budget_within_the_block_runs_chains_of_that_many_drafts(planted):
     cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, 8, tree_budget=1))
     assert [t for c in cycles for t in c.tokens] == reference
     assert {c.block_size for c in cycles[1:-1]} == {2} and max(c.acceptance_length for c in cycles[1:]) <= 2
+
+
+def test_a_budget_past_the_device_candidates_builds_the_tree_on_the_host(planted):
+    """A block of 4 leaves a device-built tree 57 prefixes to pick from: a larger budget
+    takes the host's tree (every prefix), also where cycles are queued ahead."""
+    _, model, prompt, reference, proposer = planted
+    assert candidate_table(3, 4, DEVICE_DEVIATIONS)[0].shape[0] == 57
+    for budget, on_device in [(57, True), (60, False)]:
+        tokens, _, target = _generate(model, proposer, prompt, GPU_PATHS, budget=budget, block_size=4)
+        assert tokens == reference
+        assert (target.device_trees > 0) == (on_device and target.rolls_back_on_device)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llama"])

@@ -15,7 +15,7 @@ from mlx_dflash import policy as policy_module
 from mlx_dflash.policy import candidate_sizes
 from mlx_dflash.sampling import SamplingParams
 
-GPU_PATHS = EngineOptions(queue_ahead=True, compile_blocks=True, pad_reads=True)
+GPU_PATHS = EngineOptions(queue_ahead=True, compile_blocks=True, pad_reads=True, device_trees=True)
 MAX_TOKENS = 20
 
 

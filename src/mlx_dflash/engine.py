@@ -6,7 +6,8 @@ Read ``decode_cycles`` top to bottom: it is the whole algorithm. The pieces it c
 what is accepted when sampling, and ``policy.py`` picks each block's size from measured speed.
 
 One device-to-host read per cycle: the target's choices (which also give the accept count); a
-tree (``tree.py``) adds one, of the draft's top candidates, to build it on the host.
+tree (``tree.py``) adds one, of the draft's top candidates, to build it on the host, except where
+cycles are queued ahead: there trees are built, walked and rolled back on the device too.
 Where every cache of the target can be cut by a count still on the device (KV and Gated
 DeltaNet caches), greedy decoding rolls back, extends the draft's context and picks the next
 block's first token on the device, and queues the next cycle before it reads this one's count
@@ -30,7 +31,7 @@ from .prefix_cache import PrefixCache
 from .proposer import Proposer
 from .sampling import SamplingParams, first_token, node_choices, sample_drafts, verify
 from .target import Target
-from .tree import DraftTree, draft_tree
+from .tree import DEVICE_RANKS, DraftTree, device_candidates, device_tree, draft_tree
 
 ProgressCallback = Callable[[int, int], None]  # (prompt tokens processed, prompt tokens)
 
@@ -57,6 +58,9 @@ class Block:
     launch_seconds: float  # host time spent building and queueing it
     tree: Optional[DraftTree] = None  # a tree's verify: ``tokens`` is the target's choice after each node
     path: Optional[list[int]] = None  # the tree's accepted nodes, once walked
+    # A tree walked on the device: its nodes, the accepted path first (``tokens``, ``features``
+    # and ``accepted`` then read as a chain's: the path's drafts, then the bonus token).
+    order: Optional[mx.array] = None
 
     @property
     def size(self) -> int:
@@ -111,13 +115,18 @@ class BlockRunner:
         self.queue_steps = not processors
         self.queue_blocks = sampling is None and target.rolls_back_on_device and target.options.queue_ahead
         # Trees (sizes past the block: tree.py) where the target, the proposer and the sampling allow
-        # them. A tree is built on the host from the draft's distributions: never queued ahead.
+        # them; built on the device and queued ahead as blocks are, where blocks are.
         self.trees = target.verifies_trees and hasattr(proposer, "candidate_logits") and not processors and block_size > 1
         self.tree_budget = tree_budget if self.trees else None
+        self.trees_on_device = self.trees and self.queue_blocks and target.builds_trees_on_device
+
+    def tree_on_device(self, budget: int) -> bool:
+        """Whether a tree of ``budget`` nodes is built and walked on the device."""
+        return self.trees_on_device and budget <= device_candidates(self.block_size - 1, DEVICE_RANKS)
 
     def queues(self, size: int) -> bool:
         """Whether a cycle of ``size`` can be queued before the current one's count is read."""
-        return size == 1 or self.queue_blocks and size <= self.block_size
+        return size == 1 or self.queue_blocks and (size <= self.block_size or self.tree_on_device(size - 1))
 
     def next_size(self, wanted: int) -> tuple[int, bool]:
         """The next block's size (at most ``wanted`` tokens) and whether it carries a forecast."""
@@ -135,7 +144,7 @@ class BlockRunner:
         tic = time.perf_counter()
         n, guess, accepted = size - 1, None, None
         if size > self.block_size:
-            return self._launch_tree(first, n, tic)
+            return self._launch_device_tree(first, n, tic) if self.tree_on_device(n) else self._launch_tree(first, n, tic)
         if n == 0 and self.sampling is None:  # a plain greedy step, in as few ops as mlx-lm's
             logits, features = self.target(first[None], self.cache)
             tokens = mx.argmax(logits[0], axis=-1)
@@ -163,6 +172,20 @@ class BlockRunner:
         seconds = time.perf_counter() - tic
         self.clock.add_launch(seconds)
         return Block(choices, None, features, None, seconds, tree=tree)
+
+    def _launch_device_tree(self, first: mx.array, budget: int, tic: float) -> Block:
+        """``_launch_tree`` without a host read (greedy): the tree built and walked on the device,
+        its nodes reordered with the accepted path first."""
+        logits, columns = self.proposer.candidate_logits(first, self.block_size - 1)
+        tree = device_tree(first, logits, budget, columns)
+        logits, features = self.target.verify_device_tree(tree, self.cache)
+        choices = mx.argmax(logits[0], axis=-1)
+        order, accepted = tree.walk(choices)
+        tokens, features = choices[order], features[:, order]
+        mx.async_eval(tokens, accepted, features)
+        seconds = time.perf_counter() - tic
+        self.clock.add_launch(seconds)
+        return Block(tokens, accepted, features, None, seconds, order=order)
 
     def read(self, block: Block) -> list[int]:
         """The cycle's one device-to-host read: the committed tokens, accepted drafts then the
@@ -199,6 +222,8 @@ class BlockRunner:
         if block.accepted is None:  # a plain greedy step keeps its token
             self.proposer.add_context(block.features)
             return block.tokens
+        if block.order is not None:  # a tree walked on the device: its path moved first, then cut as a chain
+            self.target.move_path(self.cache, block.order, self.block_size)
         self.target.rollback(self.cache, block.size - 1 - a)
         self.proposer.add_context(block.features, a + 1)
         return block.tokens[a : a + 1] if isinstance(a, int) else block.tokens[a.reshape(1)]

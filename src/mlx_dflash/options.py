@@ -33,6 +33,8 @@ class EngineOptions:
     compile_draft: draft passes under ``mx.compile`` (None: on GPUs; default off, not shown faster).
     pack_draft: draft passes pack their projections as compiled blocks do (GPUs).
     prefill_step: prompt tokens per prefill chunk (mlx-lm's default).
+    device_trees: greedy trees built, walked and rolled back on the device, queued ahead as
+        blocks are (GPUs; False: built and walked on the host, each cycle read before the next).
     """
 
     queue_ahead: Optional[bool] = None
@@ -43,6 +45,7 @@ class EngineOptions:
     compile_draft: Optional[bool] = False
     pack_draft: Optional[bool] = None
     prefill_step: int = 2048
+    device_trees: Optional[bool] = None
 
     def resolved(self) -> "EngineOptions":
         """These options with every ``None`` decided for the backend MLX runs on now
@@ -53,7 +56,8 @@ class EngineOptions:
             return gpu if value is None else value
 
         return replace(self, queue_ahead=pick(self.queue_ahead), pad_reads=pick(self.pad_reads),
-                       compile_draft=pick(self.compile_draft), pack_draft=pick(self.pack_draft))
+                       compile_draft=pick(self.compile_draft), pack_draft=pick(self.pack_draft),
+                       device_trees=pick(self.device_trees))
 
     def longest_compiled_block(self, padded_block: int) -> int:
         """Blocks of 2..this many tokens run compiled (0: none)."""

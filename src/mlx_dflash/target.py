@@ -35,7 +35,7 @@ from .options import DEFAULT_OPTIONS, EngineOptions
 from .projections import block_projections, swapped
 from .rollback import (PADDED_BLOCK, BufferView, DeviceKVCache, cache_arrays, device_count, is_recurrent, keep_path,
                        recurrent_view, trim_attention_cache, unsupported_cache)
-from .tree import DraftTree, tree_mask
+from .tree import DeviceTree, DraftTree, tree_mask
 
 # Families tested end to end against mlx-lm greedy (tests/test_families.py). Others fail
 # at load time: a family we have not checked could hide a cache we cannot roll back.
@@ -277,14 +277,14 @@ class Target:
                 and all(c.keys is not None if isinstance(c, DeviceKVCache) else is_recurrent(c) and not c.empty()
                         for c in cache))
 
-    def _compiled_block(self, tokens: mx.array, cache: list[Any], tree: Optional[DraftTree] = None
+    def _compiled_block(self, tokens: mx.array, cache: list[Any], tree: Optional[tuple[mx.array, mx.array]] = None
                         ) -> tuple[mx.array, mx.array]:
         """The forward of a block under mx.compile, each cache's arrays as inputs and outputs
         (a key/value cache's whole buffer, ``rollback.BufferView``; a recurrent layer's conv
         window and state, and what its mixer keeps for a rewind); traced again only when a shape
         changes. Hybrids (Qwen3.5, Qwen3-Next) compile too: their verify is host-bound on GPUs
         (many small ops a Gated DeltaNet layer), and the trace is replayed faster than it is built.
-        A ``tree``'s verify (``verify_tree``) takes its nodes' depths and ancestors as inputs too."""
+        A tree's verify (``verify_tree``) takes its nodes' depths and ancestors (``tree``) as inputs too."""
         mixers = self._block_mixers
         # Row by row only for one sequence: a batch's rows would read every weight once per row of each.
         rowwise = self.options.rowwise_products if tokens.shape[0] == 1 else False
@@ -307,9 +307,9 @@ class Target:
         for layer_cache in attention:
             layer_cache.make_room(n)
         start = attention[0].offset if attention else 0  # (every layer is at the same position)
-        shape = (mx.array(tree.depths), mx.array(tree.ancestors())) if tree is not None else (mx.array(0), mx.array(0))
         logits, features, *arrays = self.recorder.block_forwards[key](
-            tokens, device_count(start), *shape, *(x for layer_cache in cache for x in cache_arrays(layer_cache)))
+            tokens, device_count(start), *(tree or (mx.array(0), mx.array(0))),
+            *(x for layer_cache in cache for x in cache_arrays(layer_cache)))
         layer_arrays, kept = arrays[: 2 * len(cache)], iter(arrays[2 * len(cache) :])
         per_mixer = (len(arrays) - 2 * len(cache)) // max(len(mixers), 1)
         end = start + n  # an int stays an int: the host keeps knowing the exact length
@@ -328,9 +328,31 @@ class Target:
         self._latest_length = tree.size
         tokens = mx.array(tree.tokens, dtype=mx.uint32)[None]
         if self._compiles(tokens, cache, tree=True):
-            return self._compiled_block(tokens, cache, tree)
+            return self._compiled_block(tokens, cache, (mx.array(tree.depths), mx.array(tree.ancestors())))
         within = self._tree_ropes(mx.array(tree.depths), tree.depths)
         return self._forward(tokens, [TreeMaskedCache(c, tree) for c in cache], block=True, within=within)
+
+    @property
+    def builds_trees_on_device(self) -> bool:
+        """Whether a tree can be verified and its kept nodes moved without a host read
+        (``verify_device_tree``, ``move_path``): plain key/value caches, compiled trees
+        (``EngineOptions.device_trees``)."""
+        return (self.options.device_trees and self.verifies_trees and self.rolls_back_on_device
+                and self.options.longest_compiled_block(PADDED_BLOCK) == PADDED_BLOCK)
+
+    def verify_device_tree(self, tree: DeviceTree, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """``verify_tree`` for a tree built on the device (``tree.device_tree``)."""
+        self._latest_length = tree.size
+        return self._compiled_block(tree.tokens[None], cache, (tree.depths, tree.ancestors))
+
+    def move_path(self, cache: list[Any], order: mx.array, kept: int) -> None:
+        """After ``verify_device_tree``: the tree's nodes in ``order`` (the accepted path first,
+        on the device: ``DeviceTree.walk``), of which the first ``kept`` (at most that many are
+        accepted) are moved to where the tree began; a rollback then drops the rest."""
+        start = cache[0].offset - self._latest_length  # (every layer is at the same position)
+        rows = device_count(start) + order[:kept]
+        for layer_cache in cache:
+            layer_cache.move(rows, start)
 
     def _tree_ropes(self, depths: mx.array, known: Optional[list[int]] = None) -> AbstractContextManager:
         """The model's RoPE modules at the block's start plus ``depths`` (``TreeRope``; ``known``:

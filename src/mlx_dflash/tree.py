@@ -9,18 +9,31 @@ node (argmax, or its sample) while that is one of the node's children; the first
 without a matching child is the bonus token. Every kept token is the target's own choice, so
 the output is the target's at any temperature. The target side (positions, mask, moving the
 kept nodes' keys and values together) is ``Target.verify_tree`` and ``rollback.keep_path``.
+
+Where the engine queues cycles ahead (greedy, GPUs), the tree is built and walked on the device
+instead (``device_tree``, ``DeviceTree.walk``), so a tree's cycle needs no host read before the
+next is queued: it picks the same best prefixes among those that leave the draft's argmax at
+most ``DEVICE_DEVIATIONS`` times, each time to one of its ``DEVICE_RANKS`` best candidates
+(a fixed candidate table, so every shape is known in advance).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from .cpu_kernels import logsumexp
+
+DEVICE_RANKS = 4  # a device-built tree's candidates per depth
+DEVICE_DEVIATIONS = 2  # how often one of its prefixes may leave the draft's argmax
+# Subtracted per depth from a prefix's score: a child then always scores below its parent, also
+# where a draft certain of a token gives it a log-probability of exactly 0 (the top B stay a tree).
+DEPTH_TIE_BREAK = 1e-6
 
 
 @dataclass
@@ -136,3 +149,75 @@ def tree_mask(tree: DraftTree, sequential: mx.array, first_column: int, window: 
     own = np.zeros((n, keys), dtype=bool)
     own[:, in_tree] = inside[:, columns[in_tree]]
     return mx.where(mx.array(in_tree), mx.array(own), past.astype(mx.bool_))
+
+
+@dataclass
+class DeviceTree:
+    """A tree built on the device (``device_tree``): [n] arrays, the root at index 0, and
+    [n, n] ``ancestors`` (row i: node i and its ancestors)."""
+
+    tokens: mx.array
+    depths: mx.array
+    ancestors: mx.array
+    parents: mx.array  # the root's is itself
+
+    @property
+    def size(self) -> int:
+        return self.tokens.size
+
+    def walk(self, choices: mx.array) -> tuple[mx.array, mx.array]:
+        """The greedy walk, on the device: (the nodes reordered, the accepted path from the
+        root first, [n]; the number of accepted drafts, [1]). A node is on the path when every
+        node from the root to it is the target's choice after its parent."""
+        matches = (self.tokens == choices[self.parents]) | (mx.arange(self.size) == 0)
+        on_path = ~mx.any(self.ancestors & ~matches[None, :], axis=1)
+        order = mx.argsort(mx.where(on_path, self.depths, self.size + mx.arange(self.size)))
+        accepted = mx.max(mx.where(on_path, self.depths, 0)).reshape(1)
+        return order, accepted
+
+
+@lru_cache(maxsize=8)
+def candidate_table(depth: int, k: int, deviations: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Every prefix of up to ``depth`` ranks below ``k`` with at most ``deviations`` ranks other
+    than 0, as (ranks [C, depth], -1 past its length; its length [C]; where its last rank is
+    in a flattened [depth, k] table [C])."""
+    prefixes: list[tuple[int, ...]] = [()]
+    table = []
+    for length in range(1, depth + 1):
+        prefixes = [p + (r,) for p in prefixes for r in range(k) if r == 0 or sum(x > 0 for x in p) < deviations]
+        table += prefixes
+    ranks = np.full((len(table), depth), -1, dtype=np.int32)
+    for row, prefix in enumerate(table):
+        ranks[row, : len(prefix)] = prefix
+    lengths = (ranks >= 0).sum(axis=1).astype(np.int32)
+    last = (lengths - 1) * k + ranks[np.arange(len(table)), lengths - 1]
+    return mx.array(ranks), mx.array(lengths), mx.array(last)
+
+
+def device_candidates(depth: int, k: int) -> int:
+    """How many prefixes a device-built tree picks from (a larger budget: ``build_tree``)."""
+    return candidate_table(depth, k, DEVICE_DEVIATIONS)[0].shape[0]
+
+
+def device_tree(root: mx.array, logits: mx.array, budget: int, columns: Optional[mx.array] = None) -> DeviceTree:
+    """The tree of ``budget`` nodes after ``root`` ([1]) from a draft's logits [depth, V], built
+    on the device: the ``budget`` best of the candidate prefixes (``candidate_table``) under the
+    product of the depths' probabilities, as ``draft_tree``'s among them."""
+    depth = logits.shape[0]
+    logprobs, ids = top_candidates(logits, DEVICE_RANKS)
+    k = ids.shape[1]
+    ranks, lengths, last = candidate_table(depth, k, DEVICE_DEVIATIONS)
+    flat = logprobs.reshape(-1)
+    steps = mx.arange(depth) * k + mx.maximum(ranks, 0)
+    scores = mx.sum(mx.where(ranks >= 0, flat[steps], 0.0), axis=1) - DEPTH_TIE_BREAK * lengths
+    chosen = mx.sort(mx.argpartition(-scores, kth=budget - 1)[:budget])
+    tokens = (ids if columns is None else columns[ids]).reshape(-1)[last[chosen]]
+    ranks = mx.concatenate([mx.full((1, depth), -1, mx.int32), ranks[chosen]])  # the root first
+    depths = mx.concatenate([mx.zeros(1, mx.int32), lengths[chosen]])
+    # j is an ancestor of i (or i itself): no longer, and i's ranks begin with j's
+    beyond = mx.arange(depth)[None, None, :] >= depths[None, :, None]
+    same = mx.all((ranks[:, None, :] == ranks[None, :, :]) | beyond, axis=2)
+    ancestors = same & (depths[None, :] <= depths[:, None])
+    parents = mx.argmax(ancestors & (depths[None, :] == depths[:, None] - 1), axis=1)
+    tokens = mx.concatenate([root.astype(mx.uint32), tokens.astype(mx.uint32)])
+    return DeviceTree(tokens, depths, ancestors, parents)

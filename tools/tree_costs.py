@@ -1,0 +1,58 @@
+"""Trees built on the device against trees built on the host (``EngineOptions.device_trees``),
+with the chain beside them: decode speed, tokens per verify and ms per cycle, per prompt in turn.
+
+    python tools/tree_costs.py [--model M] [--draft D] [--budgets 32 64] [--num-prompts 16] [--max-tokens 256]
+
+HumanEval chat prompts, greedy, fixed full blocks (every full block a tree of the budget);
+each way runs every prompt once after a warm-up of its own, the ways alternating per prompt.
+Both ways of a budget verify the same trees (where the host's stays within the device's
+candidate prefixes: ``tree.device_tree``) and commit the target's own tokens (float32: the same
+texts); what differs is whether the host reads the draft's candidates and the walk before the
+next cycle is queued.
+"""
+
+import argparse
+import statistics
+
+from mlx_dflash import generate, use_fast_blas
+from mlx_dflash.bench import humaneval_prompts
+from mlx_dflash.draft_io import load_draft
+from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
+from mlx_dflash.options import EngineOptions
+from mlx_dflash.target import float_dtype, load_target
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--model", default=DEFAULT_MODEL)
+parser.add_argument("--draft", default=None, help="default: the draft shipped for the model")
+parser.add_argument("--budgets", type=int, nargs="+", default=[32, 64])
+parser.add_argument("--num-prompts", type=int, default=16)
+parser.add_argument("--max-tokens", type=int, default=256)
+args = parser.parse_args()
+
+use_fast_blas()
+model, tokenizer = load_target(args.model)
+draft = load_draft(args.draft or shipped_draft(args.model), float_dtype(model))
+prompts = humaneval_prompts()[: args.num_prompts]
+ways = {"chain": (False, EngineOptions())}
+for budget in args.budgets:
+    # (the device's way forces the GPU's cycle: queued ahead, compiled, so the CPU runs it too)
+    ways[f"tree {budget}, device"] = (budget, EngineOptions(queue_ahead=True, compile_blocks=True, device_trees=True))
+    ways[f"tree {budget}, host"] = (budget, EngineOptions(device_trees=False))
+for trees, options in ways.values():
+    generate(model, tokenizer, prompts[0], draft, max_tokens=32, chat=True, trees=trees, options=options, warmup=True)
+results = {way: [] for way in ways}
+for prompt in prompts:
+    for way, (trees, options) in ways.items():
+        results[way].append(generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens, chat=True,
+                                     trees=trees, options=options))
+chain = results["chain"]
+print("| way | decode tok/s | median speed-up over the chain | tokens per verify | ms a cycle |\n|---|---|---|---|---|")
+for way, runs in results.items():
+    seconds, cycles = sum(r.decode_seconds for r in runs), sum(r.cycles for r in runs)
+    tokens = sum(len(r.tokens) - 1 for r in runs)
+    ratio = statistics.median(r.decode_tokens_per_sec / c.decode_tokens_per_sec for r, c in zip(runs, chain))
+    verified = sum(sum(r.acceptance_lengths) for r in runs) / cycles
+    print(f"| {way} | {tokens / seconds:.1f} | {ratio:.2f}x | {verified:.2f} | {1e3 * seconds / cycles:.2f} |")
+for budget in args.budgets:
+    same = all(a.tokens == b.tokens for a, b in zip(results[f"tree {budget}, device"], results[f"tree {budget}, host"]))
+    print(f"(tree {budget}: both ways gave the same tokens: {same})")
