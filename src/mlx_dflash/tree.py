@@ -183,7 +183,7 @@ def candidate_table(depth: int, k: int, deviations: int) -> tuple[mx.array, mx.a
     in a flattened [depth, k] table [C])."""
     prefixes: list[tuple[int, ...]] = [()]
     table = []
-    for length in range(1, depth + 1):
+    for _ in range(depth):  # (each round: the prefixes one rank longer)
         prefixes = [p + (r,) for p in prefixes for r in range(k) if r == 0 or sum(x > 0 for x in p) < deviations]
         table += prefixes
     ranks = np.full((len(table), depth), -1, dtype=np.int32)
