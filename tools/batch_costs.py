@@ -15,17 +15,14 @@ import time
 
 import mlx.core as mx
 
-from mlx_dflash import use_fast_blas
+from mlx_dflash import load, use_fast_blas
 from mlx_dflash.batch import BatchDecoder
 from mlx_dflash.bench import humaneval_prompts
-from mlx_dflash.draft_io import load_draft
 from mlx_dflash.generate import encode_prompt
-from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
 from mlx_dflash.options import EngineOptions
-from mlx_dflash.target import float_dtype, load_target
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--model", default=DEFAULT_MODEL)
+parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
 parser.add_argument("--draft", default=None, help="default: the draft shipped for the model")
 parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16])
 parser.add_argument("--max-tokens", type=int, default=256)
@@ -33,8 +30,7 @@ parser.add_argument("--repeats", type=int, default=2)
 args = parser.parse_args()
 
 use_fast_blas()
-model, tokenizer = load_target(args.model)
-draft = load_draft(args.draft or shipped_draft(args.model), float_dtype(model))
+model, tokenizer, draft = load(args.model, args.draft)
 prompts = [encode_prompt(tokenizer, text, chat=True) for text in humaneval_prompts()[: max(args.rows)]]
 WAYS = {"read each cycle": EngineOptions(queue_ahead=False), "queued ahead": EngineOptions(queue_ahead=True)}
 

@@ -14,15 +14,12 @@ next cycle is queued.
 import argparse
 import statistics
 
-from mlx_dflash import generate, use_fast_blas
+from mlx_dflash import generate, load, use_fast_blas
 from mlx_dflash.bench import humaneval_prompts
-from mlx_dflash.draft_io import load_draft
-from mlx_dflash.models import DEFAULT_MODEL, shipped_draft
 from mlx_dflash.options import EngineOptions
-from mlx_dflash.target import float_dtype, load_target
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--model", default=DEFAULT_MODEL)
+parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
 parser.add_argument("--draft", default=None, help="default: the draft shipped for the model")
 parser.add_argument("--budgets", type=int, nargs="+", default=[32, 64])
 parser.add_argument("--num-prompts", type=int, default=16)
@@ -30,8 +27,7 @@ parser.add_argument("--max-tokens", type=int, default=256)
 args = parser.parse_args()
 
 use_fast_blas()
-model, tokenizer = load_target(args.model)
-draft = load_draft(args.draft or shipped_draft(args.model), float_dtype(model))
+model, tokenizer, draft = load(args.model, args.draft)
 prompts = humaneval_prompts()[: args.num_prompts]
 ways = {"chain": (False, EngineOptions())}
 for budget in args.budgets:

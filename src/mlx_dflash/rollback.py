@@ -171,10 +171,10 @@ class DeviceKVCache(KVCache):
         self.keys, self.values, self.offset = keys, values, offset
         self.bound += n
 
-    def move(self, rows: mx.array, start: Count) -> None:
+    def move(self, rows: mx.array, start: mx.array) -> None:
         """Write positions ``rows`` (a tree's accepted path first) over those from ``start`` on."""
         moved = [mx.take(x, rows, axis=2) for x in (self.keys, self.values)]
-        self.keys, self.values = (write_at(x, y, device_count(start)) for x, y in zip((self.keys, self.values), moved))
+        self.keys, self.values = (write_at(x, y, start) for x, y in zip((self.keys, self.values), moved))
 
     def drop(self, num_tokens: Count, memo: Optional[dict] = None) -> None:
         """Forget the last ``num_tokens`` positions (an int, or a count still on the device);

@@ -369,7 +369,7 @@ def _finish_reason(last, calls: Optional[ToolCallText]) -> str:
     """OpenAI's: "length" at max_tokens, "tool_calls" after a reply that called tools, else "stop"."""
     if last is not None and last.finish_reason == "length":
         return "length"
-    return "tool_calls" if calls is not None and calls.calls else "stop"
+    return "tool_calls" if calls is not None and calls.count else "stop"
 
 
 def _chunk(job: Job, rid: str, created: int, name: str, text: str, finish: Optional[str], usage=None,
@@ -505,10 +505,7 @@ def create_app(served: Served) -> FastAPI:
             pieces.append(r.text)
             last, tokens = r, tokens + len(r.tokens)
             acceptance += [r.acceptance_length] if r.acceptance_length else []
-        text, made = "".join(pieces), []
-        if calls is not None:
-            (text, made), (rest, more) = calls.add(text), calls.finish()
-            text, made = text + rest, made + more
+        text, made = calls.whole("".join(pieces)) if calls is not None else ("".join(pieces), [])
         finish = _finish_reason(last, calls)
         usage = _usage(job, tokens, acceptance, last)
         if chat:

@@ -349,8 +349,8 @@ class Target:
         """After ``verify_device_tree``: the tree's nodes in ``order`` (the accepted path first,
         on the device: ``DeviceTree.walk``), of which the first ``kept`` (at most that many are
         accepted) are moved to where the tree began; a rollback then drops the rest."""
-        start = cache[0].offset - self._latest_length  # (every layer is at the same position)
-        rows = device_count(start) + order[:kept]
+        start = device_count(cache[0].offset - self._latest_length)  # (every layer is at the same position)
+        rows = start + order[:kept]
         for layer_cache in cache:
             layer_cache.move(rows, start)
 

@@ -29,7 +29,7 @@ class ToolCallText:
         self.streaming = streaming  # stream deltas number their calls (``index``)
         self.pending = ""  # text not given out yet: a call under way, or what may begin the start marker
         self.inside = False
-        self.calls = 0  # calls given out so far
+        self.count = 0  # calls given out so far
 
     def add(self, text: str) -> tuple[str, list[dict]]:
         """(content to send now, tool calls completed now) after ``text``."""
@@ -63,6 +63,11 @@ class ToolCallText:
         calls, failed = self._parse(text, closed=False)
         return failed, calls
 
+    def whole(self, text: str) -> tuple[str, list[dict]]:
+        """(content, tool calls) of a whole reply."""
+        (content, calls), (rest, more) = self.add(text), self.finish()
+        return content + rest, calls + more
+
     def _parse(self, text: str, closed: bool = True) -> tuple[list[dict], str]:
         """(the calls in one marked span, or none and the span as written when it does not parse)."""
         try:
@@ -75,8 +80,8 @@ class ToolCallText:
             return [], self.start + text + (self.end if closed else "")
         for call in calls:
             if self.streaming:
-                call["index"] = self.calls
-            self.calls += 1
+                call["index"] = self.count
+            self.count += 1
         return calls, ""
 
 
