@@ -71,7 +71,7 @@ def sampled_marginals(model, draft, prompt, params, options=EngineOptions(), tre
     random.seed(1234)  # (the generations' own streams start from Python's random)
     counts = np.zeros((2, VOCAB))
     for _ in range(SAMPLES):
-        cycles = decode_cycles(target, proposer, mx.array(prompt), 4, 4, params, tree_budget=tree_budget)
+        cycles = decode_cycles(target, proposer, mx.array(prompt), 3, 4, params, tree_budget=tree_budget)  # (t1..t3)
         tokens = [t for cycle in cycles for t in cycle.tokens]
         counts[0, tokens[1]] += 1  # t2: first drafted slot (or its residual resample)
         counts[1, tokens[2]] += 1  # t3: second drafted slot (or bonus)
