@@ -169,3 +169,24 @@ def test_restored_draft_context_drafts_as_a_cold_one(pair, options):
     # a kept reply cut back to the history; or the history alone, kept where caches cannot be cut
     assert warm[2] == (len(HISTORY) - 1 if name in HYBRIDS | WRAPPING else len(HISTORY))
     assert warm[:2] == cold[:2]
+
+
+@pytest.mark.parametrize("step", [2048, 8])
+def test_the_rest_after_a_restore_runs_in_one_pass(pair, step):
+    """Key/value caches: what follows a restored prefix runs as one block, its last chunk and
+    the last token together (chunks of ``step`` before it), and gives a cold prefill's first
+    token; caches that cannot be cut back run the last token alone, as mlx-lm does."""
+    name, model, _, draft = pair
+    cache = PrefixCache(1 << 30)
+    _run(pair, HISTORY, cache)
+    target, proposer = make_proposer(model, draft, EngineOptions())
+    rows, forward = [], target._forward
+    target._forward = lambda tokens, *args, **kwargs: rows.append(tokens.shape[1]) or forward(tokens, *args, **kwargs)
+    proposer.start(target)
+    logits, reused = prefill(target, proposer, mx.array(TURN), target.make_cache(), step, prefix_cache=cache)
+    if name in HYBRIDS | WRAPPING:  # (18 tokens, then the last)
+        assert reused == len(HISTORY) - 1 and rows == ([18, 1] if step == 2048 else [8, 8, 2, 1])
+    else:  # (17 tokens, then the last)
+        assert reused == len(HISTORY) and rows == ([18] if step == 2048 else [8, 8, 2])
+    cold, _ = prefill(target, proposer, mx.array(TURN), target.make_cache(), step)
+    assert mx.argmax(logits).item() == mx.argmax(cold).item()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Union
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .distributed import from_rank_zero, shared_seed
 from .errors import DFlashError
@@ -77,14 +78,20 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
     A ``prefix_cache`` first restores the longest stored start of the prompt, and keeps the
     state before the last token for later prompts where the caches cannot be cut back (key/value
     caches are kept with the reply, at the end: ``decode_cycles``); also returns how many tokens
-    it restored."""
+    it restored. After a restore into key/value caches the rest (its last chunk and the last
+    token together) runs as one block, with the verify's attention: the restored keys and values
+    already differ from a cold prefill's in their last bits (a reply's came from verifies), and one
+    pass instead of a chunk and a step is most of what a chat's next turn waits for."""
     if (highest := prompt.max().item()) >= target.vocab_size:  # (past the embedding table: a read outside it)
         raise DFlashError(f"the prompt holds token id {highest}, outside the target's vocabulary "
                           f"(0..{target.vocab_size - 1})")
     head = prompt[:-1].tolist() if prefix_cache is not None else []
     reused = prefix_cache.resume(target, proposer, cache, head) if prefix_cache is not None else 0
-    for start in range(reused, prompt.size - 1, step):
-        end = min(start + step, prompt.size - 1)
+    rest = prompt.size - 1 - reused  # tokens before the last still to run
+    as_block = reused > 0 and rest > 0 and all(isinstance(c, KVCache) for c in cache)
+    tail = 1 + ((rest - 1) % step + 1 if as_block else 0)  # tokens run in the last pass
+    for start in range(reused, prompt.size - tail, step):
+        end = min(start + step, prompt.size - tail)
         _, features = target(prompt[None, start:end], cache, prompt=True)
         proposer.add_context(features)
         mx.eval([c.state for c in cache], proposer.state)  # (the draft's context is prompt work)
@@ -92,7 +99,7 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
             progress(end, prompt.size)
     if prefix_cache is not None and reused < len(head):
         prefix_cache.store_prompt(target, proposer, cache, head)
-    logits, features = target(prompt[None, -1:], cache)
+    logits, features = target(prompt[None, -tail:], cache, eager=True)
     proposer.add_context(features)
     return logits[0, -1], reused
 

@@ -253,14 +253,15 @@ class Target:
             caches = [DeviceKVCache(self.options.pad_reads) if type(c) is KVCache else c for c in caches]
         return caches
 
-    def __call__(self, tokens: mx.array, cache: Optional[list[Any]], prompt: bool = False
+    def __call__(self, tokens: mx.array, cache: Optional[list[Any]], prompt: bool = False, eager: bool = False
                  ) -> tuple[mx.array, mx.array]:
         """Logits [B, L, V] and tapped features [B, L, K*H] (in ``layer_ids`` order); ``cache``
         None: whole sequences without one (training). ``prompt``: a chunk of the prompt, run as
         mlx-lm runs it (never a compiled block, whose packed products and fused ops differ in
-        their last bits: the first token must be mlx-lm's)."""
+        their last bits: the first token must be mlx-lm's). ``eager``: a block never compiled
+        (a shape seen once, whose trace would cost more than it saves)."""
         self._latest_length = tokens.shape[1]
-        if not prompt and self._compiles(tokens, cache):
+        if not prompt and not eager and self._compiles(tokens, cache):
             logits, features = self._compiled_block(tokens, cache)
         else:
             logits, features = self._forward(tokens, cache, block=not prompt and tokens.shape[1] > 1)
