@@ -12,7 +12,7 @@ from tiny_models import VOCAB_SIZE, tiny_pair
 from mlx_dflash import EngineOptions, generate
 from mlx_dflash import policy as policy_module
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import PROBE_MAX, PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes
+from mlx_dflash.policy import PROBE_MAX, PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes, check_tree_budget
 from mlx_dflash.replay import ReplayProposer
 
 
@@ -328,9 +328,9 @@ def test_queued_cycles_charge_each_size_its_own_launch(tiny_dir, monkeypatch):
     monkeypatch.setattr(policy_module, "time", fake_time)
 
     class CountedTarget(Target):
-        def __call__(self, tokens, cache, prompt=False):
+        def __call__(self, tokens, cache, **kwargs):
             clock[0] += tokens.shape[1]
-            return super().__call__(tokens, cache, prompt)
+            return super().__call__(tokens, cache, **kwargs)
 
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-queued", "qwen3", "queued", 80)
     policy = BlockPolicy(16, tree_budgets=())
@@ -381,9 +381,13 @@ def test_no_trees_where_they_cannot_run_or_do_not_fit():
     assert policy.choose(limit=10) <= 10 and policy.choose(limit=40) == 33
 
 
-def test_a_tree_budget_below_the_block_is_refused():
-    with pytest.raises(DFlashError, match="tree budget must be in 16"):
+def test_a_policys_tree_budget_below_the_block_is_refused():
+    """A policy's trees are sizes past the block; fixed blocks take trees of any budget."""
+    with pytest.raises(DFlashError, match="tree budgets must be in 16..1024 .* --no-adaptive"):
         BlockPolicy(16, tree_budgets=(8,))
+    check_tree_budget(4, 16, fixed=True)
+    with pytest.raises(DFlashError, match="must be in 1..1024, got 0"):
+        check_tree_budget(0, 16, fixed=True)
 
 
 def test_costs_are_kept_apart_per_key():

@@ -218,14 +218,20 @@ def test_tree_generation_is_the_targets(planted, mode, options):
     assert np.mean(acceptance) > np.mean(chain_acceptance) + 0.5, (acceptance, chain_acceptance)
 
 
-def test_a_budget_within_the_block_runs_chains_of_that_many_drafts(planted):
-    """Trees are sizes past the block (``policy.candidate_sizes``): a budget B within it gives
-    chains of 1 + B tokens (the public entry points refuse such budgets: ``check_tree_budget``)."""
+@pytest.mark.parametrize("options", [EngineOptions(), GPU_PATHS], ids=["cpu-paths", "gpu-paths"])
+def test_a_budget_below_the_block_verifies_trees_of_that_many_nodes(planted, options):
+    """Fixed blocks' trees of fewer nodes than the block has drafts (a CPU's verify costs its
+    rows): each cycle verifies 1 + B tokens as a tree, on the device where blocks queue ahead,
+    and commits more than a chain of as many tokens (the planted ranks 1 and 2)."""
     _, model, prompt, reference, proposer = planted
-    target = Target(model, proposer.layer_ids)
-    cycles = list(decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, 8, tree_budget=1))
-    assert [t for c in cycles for t in c.tokens] == reference
-    assert {c.block_size for c in cycles[1:-1]} == {2} and max(c.acceptance_length for c in cycles[1:]) <= 2
+    for budget in (1, 4):
+        tokens, acceptance, target = _generate(model, proposer, prompt, options, budget=budget)
+        assert tokens == reference
+        assert (target.device_trees > 0) == (options is GPU_PATHS and target.rolls_back_on_device)
+        assert max(acceptance) <= budget + 1
+    chain_tokens, chain_acceptance, _ = _generate(model, proposer, prompt, options, budget=None, block_size=5)
+    assert chain_tokens == reference
+    assert np.mean(acceptance) > np.mean(chain_acceptance), (acceptance, chain_acceptance)
 
 
 def test_a_budget_past_the_device_candidates_builds_the_tree_on_the_host(planted):

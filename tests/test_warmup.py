@@ -125,3 +125,13 @@ def test_the_warmup_stores_each_padded_row_count(pair, monkeypatch):
                                                                          original(context, *rest)))
     warmup_module.run_deferred_contexts(target, proposer, 8)
     assert stored[1:] == [16, 32, 64, 128, 256]  # (after the prompt's)
+
+
+def test_fixed_trees_below_the_block_are_warmed_and_exact(pair, monkeypatch):
+    """A fixed tree budget below the block is not a policy's size: the warm-up runs it as fixed trees."""
+    _, model, tokenizer, draft, prompt, reference = pair
+    budgets, run_path = [], warmup_module.run_path
+    monkeypatch.setattr(warmup_module, "run_path", lambda *a, **k: budgets.append(k.get("tree_budget")) or run_path(*a, **k))
+    result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, adaptive=False, trees=4,
+                      options=GPU_PATHS, warmup=True)
+    assert result.tokens == reference and 4 in budgets

@@ -276,6 +276,11 @@ def tree_budget(method: str) -> Union[bool, int]:
     return int(match.group(1)) if match else False
 
 
+def _policy(block_size: int, tree_budgets: Sequence[int]) -> BlockPolicy:
+    """An adaptive method's policy: it weighs the trees of at least a block (smaller ones run fixed)."""
+    return BlockPolicy(block_size, tree_budgets=[budget for budget in tree_budgets if budget >= block_size])
+
+
 def _is_factory(proposer) -> bool:
     return isinstance(proposer, functools.partial) or inspect.isfunction(proposer)
 
@@ -326,7 +331,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
         if cfg.baselines_first:
             baselines = {job: baseline(job) for job in tqdm(jobs, desc="bench mlx-lm", unit="run")}
         # an adaptive method's policy: costs carry over, as in a server (whose warm-up teaches them)
-        policies = {name: BlockPolicy(cfg.block_size or _block_size(proposer), tree_budgets=cfg.tree_budgets)
+        policies = {name: _policy(cfg.block_size or _block_size(proposer), cfg.tree_budgets)
                     for name, proposer in proposers.items() if name.endswith("_adaptive")}
         if cfg.warmup:
             with full_length():

@@ -50,8 +50,8 @@ def _add_tree_flags(p) -> None:
                        help="let the adaptive policy measure trees of drafts (DDTree, "
                        f"{' and '.join(map(str, TREE_BUDGETS))} nodes) against chains (docs/trees.md)")
     trees.add_argument("--tree-budget", type=int, default=None, metavar="B",
-                       help="verify trees of B drafted nodes: the adaptive policy's one tree, and with "
-                       "--no-adaptive every full block")
+                       help="verify trees of B drafted nodes: the adaptive policy's one tree (B at least the "
+                       "block size), and with --no-adaptive every cycle's (any B)")
     trees.add_argument("--no-tree", action="store_true", help="verify chains only (the default)")
 
 

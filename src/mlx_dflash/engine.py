@@ -124,16 +124,20 @@ class BlockRunner:
         # Trees (sizes past the block: tree.py) where the target, the proposer and the sampling allow
         # them; built on the device and queued ahead as blocks are, where blocks are.
         self.trees = target.verifies_trees and hasattr(proposer, "candidate_logits") and not processors and block_size > 1
-        self.tree_budget = tree_budget if self.trees else None
+        self.tree_budget = tree_budget if self.trees and policy is None else None  # (fixed blocks' trees)
         self.trees_on_device = self.trees and self.queue_blocks and target.builds_trees_on_device
 
     def tree_on_device(self, budget: int) -> bool:
         """Whether a tree of ``budget`` nodes is built and walked on the device."""
         return self.trees_on_device and budget <= device_candidates(self.block_size - 1, DEVICE_RANKS)
 
+    def is_tree(self, size: int) -> bool:
+        """Whether a cycle of ``size`` verifies a tree: a policy's past the block, or fixed trees."""
+        return size > self.block_size or size > 1 and self.tree_budget is not None
+
     def queues(self, size: int) -> bool:
         """Whether a cycle of ``size`` can be queued before the current one's count is read."""
-        return size == 1 or self.queue_blocks and (size <= self.block_size or self.tree_on_device(size - 1))
+        return size == 1 or self.queue_blocks and (not self.is_tree(size) or self.tree_on_device(size - 1))
 
     def next_size(self, wanted: int) -> tuple[int, bool]:
         """The next block's size (at most ``wanted`` tokens) and whether it carries a forecast."""
@@ -145,12 +149,12 @@ class BlockRunner:
 
     def launch(self, first: mx.array, size: int, forecast: bool = False) -> Block:
         """Draft ``size - 1`` tokens after ``first`` and verify the block in one target pass, lazily
-        (queued on the device); a size past the block is a tree of ``size - 1`` nodes. With a
+        (queued on the device); a tree (``is_tree``) has ``size - 1`` nodes. With a
         policy a short greedy block drafts one token more, and with ``forecast`` a plain step
         drafts a full block beside it: guesses for the policy."""
         tic = time.perf_counter()
         n, guess, accepted = size - 1, None, None
-        if size > self.block_size:
+        if self.is_tree(size):
             return self._launch_device_tree(first, n, tic) if self.tree_on_device(n) else self._launch_tree(first, n, tic)
         if n == 0 and self.sampling is None:  # a plain greedy step, in as few ops as mlx-lm's
             logits, features = self.target(first[None], self.cache)

@@ -230,7 +230,7 @@ def stream_generate(
             raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {block_size}")
     fixed_tree = fixed_tree_budget(trees) if policy is None else None
     if fixed_tree is not None:
-        check_tree_budget(fixed_tree, block_size)
+        check_tree_budget(fixed_tree, block_size, fixed=True)
     if warmup:  # (before the policy's first text: it learns the block costs)
         warm_up(model, proposer, block_size, options, policy=policy, tree_budget=fixed_tree)
     if policy is not None:

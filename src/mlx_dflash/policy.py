@@ -89,10 +89,14 @@ def fixed_tree_budget(trees: Union[bool, int]) -> Optional[int]:
     return None if isinstance(trees, bool) else trees
 
 
-def check_tree_budget(budget: int, max_block: int) -> None:
-    if not max_block <= budget <= MAX_TREE_BUDGET:
-        raise DFlashError(f"a tree budget must be in {max_block}..{MAX_TREE_BUDGET} (at least the block size), "
-                          f"got {budget}")
+def check_tree_budget(budget: int, max_block: int, fixed: bool = False) -> None:
+    """A policy weighs trees of at least a block's nodes (sizes past the block); fixed blocks
+    verify trees of any budget."""
+    if fixed and not 1 <= budget <= MAX_TREE_BUDGET:
+        raise DFlashError(f"a tree budget must be in 1..{MAX_TREE_BUDGET}, got {budget}")
+    if not fixed and not max_block <= budget <= MAX_TREE_BUDGET:
+        raise DFlashError(f"the adaptive policy's tree budgets must be in {max_block}..{MAX_TREE_BUDGET} (at least "
+                          f"the block size; smaller trees run with fixed blocks: --no-adaptive), got {budget}")
 
 
 class BlockPolicy:

@@ -76,7 +76,7 @@ class Served:
         block_size = self.block_size or self.draft.block_size
         self.policy = BlockPolicy(block_size, tree_budgets=tree_budgets(self.trees)) if self.adaptive else None
         if fixed_tree_budget(self.trees) is not None:
-            check_tree_budget(fixed_tree_budget(self.trees), block_size)
+            check_tree_budget(fixed_tree_budget(self.trees), block_size, fixed=not self.adaptive)
         self.group = sharding_group(self.model)  # a sharded target's processes: the others follow (``follow``)
         # prompt states that later requests starting with the same tokens reuse (prefix_cache.py)
         self.prefix_cache = PrefixCache(self.prefix_cache_bytes)

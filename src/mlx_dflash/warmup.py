@@ -80,14 +80,15 @@ def long_prompt_length(target: Target, proposer: Proposer) -> int:
 
 def run_path(target: Target, proposer: Proposer, prompt_length: int, block_size: int,
              sampling: Optional[SamplingParams] = None, script: Optional[list[int]] = None,
-             teaches: Optional[BlockPolicy] = None) -> list[int]:
-    """Decode after a made-up prompt: ``REPEATS`` blocks of ``block_size``, or the sizes of
-    ``script`` (see ``ScriptedSizes``); returns the sizes of the cycles run."""
+             teaches: Optional[BlockPolicy] = None, tree_budget: Optional[int] = None) -> list[int]:
+    """Decode after a made-up prompt: ``REPEATS`` blocks of ``block_size`` (trees of
+    ``tree_budget``), or the sizes of ``script`` (see ``ScriptedSizes``); returns the sizes of the cycles run."""
     prompt = (mx.arange(prompt_length) * 7919 + 11) % target.vocab_size  # any ids will do
     policy = ScriptedSizes(script, block_size, teaches) if script is not None else None
     cycles = len(script) if script is not None else REPEATS
     max_tokens = 1 + (cycles + 1) * max([block_size, *(script or [])])  # (never the limit: the script's sizes stay whole)
-    stream = decode_cycles(target, proposer, prompt.astype(mx.uint32), max_tokens, block_size, sampling, policy)
+    stream = decode_cycles(target, proposer, prompt.astype(mx.uint32), max_tokens, block_size, sampling, policy,
+                           tree_budget=tree_budget)
     return [cycle.block_size for cycle in itertools.islice(stream, cycles + 1)][1:]  # (after the prefill's token)
 
 
@@ -134,12 +135,14 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
     block_size = block_size or proposer.block_size
     if policy is not None:
         trees = [size - 1 for size in policy.sizes if size > block_size]
-    else:
-        trees = [tree_budget] if tree_budget else []
+    else:  # (fixed trees below the block run as fixed trees do, below)
+        trees = [tree_budget] if tree_budget and tree_budget >= block_size else []
     room = (context_length(model) or 1 << 30) - 1
     short = min(SHORT_PROMPT, room // 2)
     run_path(target, proposer, short, block_size, script=adaptive_script(block_size, trees))
     run_path(target, proposer, short, block_size)  # fixed blocks
+    if tree_budget and tree_budget < block_size:
+        run_path(target, proposer, short, block_size, tree_budget=tree_budget)
     run_path(target, proposer, short, 1)  # plain steps, no policy
     if block_size > 1:
         run_deferred_contexts(target, proposer, block_size)
