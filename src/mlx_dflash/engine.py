@@ -121,8 +121,9 @@ class BlockRunner:
         # processors, which read the history on the host.
         self.queue_steps = not processors
         self.queue_blocks = sampling is None and target.rolls_back_on_device and target.options.queue_ahead
-        # Trees (sizes past the block: tree.py) where the target, the proposer and the sampling allow
-        # them; built on the device and queued ahead as blocks are, where blocks are.
+        # Trees (a policy's sizes past the block, or fixed blocks' trees of any budget: tree.py) where the
+        # target, the proposer and the sampling allow them; built on the device and queued ahead as
+        # blocks are, where blocks are.
         self.trees = target.verifies_trees and hasattr(proposer, "candidate_logits") and not processors and block_size > 1
         self.tree_budget = tree_budget if self.trees and policy is None else None  # (fixed blocks' trees)
         self.trees_on_device = self.trees and self.queue_blocks and target.builds_trees_on_device
