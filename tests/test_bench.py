@@ -222,3 +222,23 @@ def test_long_context_prompts(tmp_path, capsys):
     assert main(["bench", "--context", "1"]) == 2
     assert main(["bench", "--model", model_dir, "--draft", draft_dir, "--context", "2040", "--lengths", "16"]) == 2
     assert "passes the model's context of 2048 tokens" in capsys.readouterr().err
+
+
+def test_tree_methods_are_warmed_and_exact(tiny_dir, tmp_path, monkeypatch):
+    """Methods dflash_tree<B>, below the block and past it: the warm-up runs each budget's fixed
+    trees before anything is timed; every run reproduces plain decoding; the adaptive method's
+    policy weighs only the trees of at least a block."""
+    import mlx_dflash.bench as bench
+
+    path = make_tiny_target(tiny_dir / "bench-trees", "qwen3")
+    model, tokenizer = load_tiny(path)
+    draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1, block_size=8,
+                                mask_token_id=MASK_ID)
+    runs, run_dflash = [], bench.run_dflash
+    monkeypatch.setattr(bench, "run_dflash", lambda *a: runs.append(a[8:]) or run_dflash(*a))
+    methods = {"dflash": draft, "dflash_adaptive": draft, "dflash_tree4": draft, "dflash_tree12": draft}
+    summary = run_bench(model, tokenizer, [tokenizer.encode("one")], methods,
+                        BenchConfig(lengths=[12], no_eos=True, tree_budgets=[4, 12]), out_dir=tmp_path)
+    timed = len(methods)
+    assert {(4,), (12,)} <= set(runs[:-timed])  # (warmed: a fixed tree of each budget)
+    assert all(summary[f"{m}@12"]["token_match"] == {0: True} for m in methods)

@@ -241,9 +241,9 @@ def _block_size(proposer) -> int:
 
 
 def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer, block_size: Optional[int],
-            policy: Optional[BlockPolicy] = None) -> None:
+            policy: Optional[BlockPolicy] = None, tree_budgets: Sequence[int] = ()) -> None:
     """Run every block size the adaptive policy may pick, with every acceptance length (and
-    so every shape of a cycle), once before timing.
+    so every shape of a cycle), and the fixed trees of ``tree_budgets``, once before timing.
 
     First uses are slow (kernel compilation, the allocator; on MLX CUDA each new shape builds
     kernels), and a timed run must not pay for them. A replay that cycles through acceptance
@@ -267,6 +267,8 @@ def warm_up(model, tokenizer, prompt: list[int], reference: list[int], proposer,
         schedule = list(range(size - 1)) + [None]
         replay = ReplayProposer(list(prompt) + reference, size, schedule, vocab, cost_of=real)
         run_dflash(model, tokenizer, prompt, min(len(reference), 1 + size * (size + 1) // 2 + 2 * size), replay, size)
+    for budget in tree_budgets:  # (a tree's shapes are its budget's, whatever it accepts)
+        run_dflash(model, tokenizer, prompt, 32, proposer, block_size, None, False, budget)
 
 
 def tree_budget(method: str) -> Union[bool, int]:
@@ -341,7 +343,8 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                 for name, proposer in sorted(proposers.items(), key=lambda item: item[0] not in policies):
                     if id(proposer) not in warmed:  # (one draft, several methods: once, teaching the adaptive one)
                         warmed.add(id(proposer))
-                        warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size, policies.get(name))
+                        warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size, policies.get(name),
+                                [budget for method in proposers if (budget := tree_budget(method))])
         for job in tqdm(jobs, desc="bench", unit="run"):
             p, length, _ = job
             prompt = prompts[p]
