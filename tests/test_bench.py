@@ -227,7 +227,7 @@ def test_long_context_prompts(tmp_path, capsys):
 def test_tree_methods_are_warmed_and_exact(tiny_dir, tmp_path, monkeypatch):
     """Methods dflash_tree<B>, below the block and past it: the warm-up runs each budget's fixed
     trees before anything is timed; every run reproduces plain decoding; the adaptive method's
-    policy weighs only the trees of at least a block."""
+    policy takes only the tree of at least a block (it refuses smaller ones)."""
     import mlx_dflash.bench as bench
 
     path = make_tiny_target(tiny_dir / "bench-trees", "qwen3")
