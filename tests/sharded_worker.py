@@ -12,7 +12,7 @@ from mlx_dflash import EngineOptions, SamplingParams, generate, load
 from mlx_dflash.distributed import world
 
 PROMPT = "def fib(n):"
-MAX_TOKENS = 10
+MAX_TOKENS = 6
 PATHS = {
     "fixed": {"adaptive": False},
     "adaptive": {"adaptive": True},
