@@ -75,8 +75,8 @@ class Served:
         # one block policy for all requests: the costs it measured carry over (policy.py)
         block_size = self.block_size or self.draft.block_size
         self.policy = BlockPolicy(block_size, tree_budgets=tree_budgets(self.trees)) if self.adaptive else None
-        if fixed_tree_budget(self.trees) is not None:
-            check_tree_budget(fixed_tree_budget(self.trees), block_size, fixed=not self.adaptive)
+        if not self.adaptive and fixed_tree_budget(self.trees) is not None:  # (a policy checks its own)
+            check_tree_budget(fixed_tree_budget(self.trees), block_size, fixed=True)
         self.group = sharding_group(self.model)  # a sharded target's processes: the others follow (``follow``)
         # prompt states that later requests starting with the same tokens reuse (prefix_cache.py)
         self.prefix_cache = PrefixCache(self.prefix_cache_bytes)

@@ -133,16 +133,13 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
     tic = time.perf_counter()
     target, proposer = make_proposer(model, draft, options)
     block_size = block_size or proposer.block_size
-    if policy is not None:
-        trees = [size - 1 for size in policy.sizes if size > block_size]
-    else:  # (fixed trees below the block run as fixed trees do, below)
-        trees = [tree_budget] if tree_budget and tree_budget >= block_size else []
+    trees = [size - 1 for size in policy.sizes if size > block_size] if policy is not None else []
     room = (context_length(model) or 1 << 30) - 1
     short = min(SHORT_PROMPT, room // 2)
     run_path(target, proposer, short, block_size, script=adaptive_script(block_size, trees))
     run_path(target, proposer, short, block_size)  # fixed blocks
-    if tree_budget and tree_budget < block_size:
-        run_path(target, proposer, short, block_size, tree_budget=tree_budget)
+    if tree_budget:
+        run_path(target, proposer, short, block_size, tree_budget=tree_budget)  # fixed blocks' trees
     run_path(target, proposer, short, 1)  # plain steps, no policy
     if block_size > 1:
         run_deferred_contexts(target, proposer, block_size)
