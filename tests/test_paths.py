@@ -1,5 +1,7 @@
-"""Every family through every decoding path and interface: the Python API, the CLI and the
-server, greedy and sampling, fixed blocks, the adaptive policy and blocks of one token.
+"""Every family through every decoding path and interface: the Python API (every family on
+every path, greedy and sampling: fixed blocks, the adaptive policy and blocks of one token), the
+CLI and the server (every family once, each path and mode in turn: what they add is passing the
+options through, which no family changes).
 
 Sampling runs with top-k 1: the whole sampling path (draft distributions, speculative
 accept/reject, residual draws) with a one-hot target distribution, so its tokens must be
@@ -25,6 +27,10 @@ MAX_TOKENS = 24
 PROMPT = "def fib(n):"
 PATHS = {"fixed": {"adaptive": False}, "adaptive": {"adaptive": True}, "block1": {"adaptive": False, "block_size": 1}}
 CLI_FLAGS = {"fixed": ["--no-adaptive"], "adaptive": ["--adaptive"], "block1": ["--no-adaptive", "--block-size", "1"]}
+MODES = ["greedy", "sampling"]
+# (family, path, mode) for the CLI and the server: each family once, every path and mode in turn
+INTERFACE_RUNS = [(name, list(PATHS)[i % len(PATHS)], MODES[i // len(PATHS) % len(MODES)])
+                  for i, name in enumerate([*FAMILIES, *MORE_FAMILIES])]
 
 
 @pytest.fixture(scope="module", params=[*FAMILIES, *MORE_FAMILIES])
@@ -47,7 +53,7 @@ def _sampling(mode: str):
     return SamplingParams(temp=1.0, top_k=1) if mode == "sampling" else None
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampling"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_api_equals_greedy(family, mode, path):
     _, _, _, model, tokenizer, draft, prompt, reference = family
@@ -57,8 +63,7 @@ def test_api_equals_greedy(family, mode, path):
         assert set(result.acceptance_lengths) == {1}
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampling"])
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("family, path, mode", INTERFACE_RUNS, indirect=["family"])
 def test_cli_prints_the_api_text(family, mode, path, capsys):
     _, model_dir, draft_dir, model, tokenizer, draft, prompt, reference = family
     expected = generate(model, tokenizer, PROMPT, draft, max_tokens=MAX_TOKENS).text
@@ -70,8 +75,7 @@ def test_cli_prints_the_api_text(family, mode, path, capsys):
     assert out.startswith(expected + "\n") and "mean acceptance length" in out
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampling"])
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("family, path, mode", INTERFACE_RUNS, indirect=["family"])
 def test_server_returns_the_api_text(family, mode, path):
     _, _, _, model, tokenizer, draft, prompt, reference = family
     served = Served(model, tokenizer, draft, "tiny", 2048, 512, adaptive=PATHS[path]["adaptive"],
