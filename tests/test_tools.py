@@ -31,9 +31,9 @@ def pair(tiny_dir):
 @pytest.mark.parametrize("name", sorted(p.name for p in TOOLS.glob("*.py")))
 def test_every_tool_has_a_docstring_and_help(name, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", [name, "--help"])  # (in this process: every tool parses before any work)
-    with pytest.raises(SystemExit) as exit:
+    with pytest.raises(SystemExit) as ended:
         runpy.run_path(str(TOOLS / name), run_name="__main__")
-    assert exit.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
+    assert ended.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
     assert (TOOLS / name).read_text().startswith('"""')
 
 
