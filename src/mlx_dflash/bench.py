@@ -340,11 +340,12 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                 if ar_draft is not None:
                     run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, cfg.num_draft_tokens)
                 warmed = set()
+                fixed_trees = [budget for method in proposers if (budget := tree_budget(method))]
                 for name, proposer in sorted(proposers.items(), key=lambda item: item[0] not in policies):
                     if id(proposer) not in warmed:  # (one draft, several methods: once, teaching the adaptive one)
                         warmed.add(id(proposer))
                         warm_up(model, tokenizer, prompts[0], reference, proposer, cfg.block_size, policies.get(name),
-                                [budget for method in proposers if (budget := tree_budget(method))])
+                                fixed_trees)
         for job in tqdm(jobs, desc="bench", unit="run"):
             p, length, _ = job
             prompt = prompts[p]

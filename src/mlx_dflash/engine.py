@@ -89,7 +89,8 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
     reused = prefix_cache.resume(target, proposer, cache, head) if prefix_cache is not None else 0
     rest = prompt.size - 1 - reused  # tokens before the last still to run
     as_block = reused > 0 and rest > 0 and all(isinstance(c, KVCache) for c in cache)
-    tail = 1 + ((rest - 1) % step + 1 if as_block else 0)  # tokens run in the last pass
+    last_chunk = (rest - 1) % step + 1 if as_block else 0  # (run with the last token)
+    tail = 1 + last_chunk  # tokens run in the last pass
     for start in range(reused, prompt.size - tail, step):
         end = min(start + step, prompt.size - tail)
         _, features = target(prompt[None, start:end], cache, prompt=True)
