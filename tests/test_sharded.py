@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import launch, run_launch
 from tiny_models import free_port, greedy_reference, load_tiny, tiny_pair_files, wait_until_healthy
 
 from sharded_worker import MAX_TOKENS, PATHS, PROMPT
 
 SHARDED = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss", "qwen3_next"]
-LAUNCH = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2", "--"]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def sharded_runs(tiny_dir):
     assert 1 < layers // 2 <= 4 < layers  # (process 1 runs the first half of the layers, process 0 the rest)
     out = tiny_dir / "sharded-out"
     out.mkdir()
-    run = subprocess.run([*LAUNCH, sys.executable, str(Path(__file__).parent / "sharded_worker.py"), str(out),
-                          *map(str, folders.values())], capture_output=True, text=True, timeout=600)
+    run = run_launch([sys.executable, str(Path(__file__).parent / "sharded_worker.py"), str(out),
+                      *map(str, folders.values())], timeout=600)
     files = [out / f"process-{rank}.json" for rank in (0, 1)]
     assert all(f.is_file() for f in files), run.stdout[-3000:] + run.stderr[-3000:]
     return folders, [json.loads(f.read_text()) for f in files]
@@ -55,17 +55,15 @@ def test_sharded_tokens_equal_the_single_process_greedy_tokens(sharded_runs, fam
 def test_cli_prints_once_and_names_the_sharding(sharded_runs):
     folders, _ = sharded_runs
     folder = folders["qwen3_next"]
-    run = subprocess.run([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", str(folder / "target"),
-                          "--draft", str(folder / "draft"), "--prompt", PROMPT, "--no-chat", "--max-tokens", "8"],
-                         capture_output=True, text=True, timeout=300)
+    run = run_launch([sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", str(folder / "target"),
+                      "--draft", str(folder / "draft"), "--prompt", PROMPT, "--no-chat", "--max-tokens", "8"], timeout=300)
     assert run.stdout.count("pipeline-parallel over 2 processes") == 1, run.stdout + run.stderr
 
 
 def test_a_family_mlx_lm_cannot_shard_fails_with_one_line(tiny_dir):
     target, draft = tiny_pair_files(tiny_dir / "sharded-gemma", "gemma3_text")
-    run = subprocess.run([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", target,
-                          "--draft", draft, "--prompt", PROMPT, "--no-chat", "--max-tokens", "4"],
-                         capture_output=True, text=True, timeout=300)
+    run = run_launch([sys.executable, "-m", "mlx_dflash.cli", "generate", "--model", target,
+                      "--draft", draft, "--prompt", PROMPT, "--no-chat", "--max-tokens", "4"], timeout=300)
     lines = [line for line in (run.stdout + run.stderr).splitlines() if "error" in line]
     assert len(lines) == 1 and "a gemma3_text target cannot be sharded over 2 processes" in lines[0], run.stderr
 
@@ -83,8 +81,8 @@ def test_serve_sharded_answers_as_a_single_process_does(sharded_runs, family, sh
     folders, _ = sharded_runs
     folder = folders[family]
     port = free_port()
-    server = subprocess.Popen([*LAUNCH, sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", str(folder / "target"),
-                              "--draft", str(folder / "draft"), "--port", str(port)],
+    server = subprocess.Popen(launch([sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", str(folder / "target"),
+                                      "--draft", str(folder / "draft"), "--port", str(port)]),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import run_launch
 from tiny_models import free_port, tiny_pair_files
 
 TOOLS = Path(__file__).parent.parent / "tools"
@@ -70,9 +71,8 @@ def test_cold_start(tmp_path):
 
 
 def test_shard_costs():
-    launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2"]
-    done = subprocess.run([*launch, "--", sys.executable, str(TOOLS / "shard_costs.py"), "--hidden", "64", "--layers", "2",
-                           "--iters", "2"], capture_output=True, text=True, timeout=120)
+    done = run_launch([sys.executable, str(TOOLS / "shard_costs.py"), "--hidden", "64", "--layers", "2", "--iters", "2"],
+                      timeout=120)
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [(line["processes"], line["rows"]) for line in lines] == [(2, 1), (2, 16)], done.stdout + done.stderr
 

@@ -2,7 +2,6 @@
 
 import ast
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from data_parallel_worker import tiny_config
+from launch import run_launch
 from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
 
 from mlx.utils import tree_flatten
@@ -303,9 +303,8 @@ def test_data_parallel_run_trains_one_draft_on_both_processes(tiny_data, tmp_pat
     process's run with the same seed: the other process's batches counted."""
     path, data = tiny_data
     out = tmp_path / "parallel"
-    launch = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2"]
-    run = subprocess.run([*launch, "--", sys.executable, str(Path(__file__).parent / "data_parallel_worker.py"),
-                          str(path), str(data), str(out)], capture_output=True, text=True, timeout=300)
+    run = run_launch([sys.executable, str(Path(__file__).parent / "data_parallel_worker.py"), str(path), str(data),
+                      str(out)], timeout=300)
     files = [out / f"process-{rank}.json" for rank in (0, 1)]  # mlx.launch's exit status says 0 either way
     assert run.returncode == 0 and all(f.is_file() for f in files), run.stdout[-2000:] + run.stderr[-2000:]
     processes = [json.loads(f.read_text()) for f in files]
