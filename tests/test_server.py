@@ -321,6 +321,8 @@ def test_load_64_requests_from_16_clients(server):
     health = httpx.get(base + "/health").json()
     assert health["status"] == "ok" and (health["batch"]["rows"], health["batch"]["waiting"]) == (0, 0)
     assert health["batch"]["peak_rows"] > 4  # (the greedy requests were decoded together)
+    sizes = {int(size): cycles for size, cycles in health["batch"]["block_sizes"].items()}
+    assert sizes and all(1 <= size <= 16 for size in sizes) and sum(sizes.values()) >= health["batch"]["cycles"] // 2
 
 
 def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):

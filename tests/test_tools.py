@@ -108,6 +108,14 @@ def test_batch_costs(pair):
     assert out.count("both ways gave the same tokens: True") == 2
 
 
+def test_batch_pattern(pair):
+    model, draft = pair
+    out = run_tool("batch_pattern.py", "--model", model, "--draft", draft, "--clients", "2", "--requests", "2",
+                   "--max-tokens", "6")
+    assert out.splitlines()[0].startswith("4 requests from 2 clients")
+    assert "batch / one at a time" in out and "same replies: 4/4" in out, out
+
+
 def test_tree_costs(pair):
     model, draft = pair
     out = run_tool("tree_costs.py", "--model", model, "--draft", draft, "--budgets", "20", "--num-prompts", "2",

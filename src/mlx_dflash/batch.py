@@ -19,6 +19,7 @@ with one clear line. A draft's context window limits what its passes see, not wh
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -117,6 +118,7 @@ class BatchDecoder:
         self.queued: Optional[Launched] = None
         self.landed: dict[int, list[int]] = {}
         self.clock = CycleClock()  # (a cycle's cost for the policy, launches queued ahead or not)
+        self.block_sizes: Counter[int] = Counter()  # cycles run per block size (``/health``)
 
     def add(self, prompt: mx.array, max_tokens: int, params: Optional[SamplingParams] = None) -> Row:
         """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
@@ -229,6 +231,7 @@ class BatchDecoder:
         mx.async_eval(choices, accepted, features, *([guess] if forecast else []))
         seconds = time.perf_counter() - tic
         self.clock.add_launch(seconds)
+        self.block_sizes[L] += 1
         return Launched(L, choices, accepted, features, guess, seconds)
 
     def _wanted(self) -> int:

@@ -91,7 +91,7 @@ class BatchWorker:
 
     def stats(self) -> dict:
         return {"rows": len(self.active), "waiting": len(self.pending), "cycles": self.cycles,
-                "peak_rows": self.peak_rows}
+                "peak_rows": self.peak_rows, "block_sizes": dict(sorted(self.decoder.block_sizes.items()))}
 
     def _cycle(self, loop: asyncio.AbstractEventLoop) -> None:
         """Join waiting requests, drop leaving rows, run one cycle (on the server's model thread)."""

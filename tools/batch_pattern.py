@@ -1,0 +1,121 @@
+"""The server's batch without the server: C clients each send K greedy chat requests in turn,
+served by the batch decoder as ``mlx-dflash serve`` does, beside the same requests one at a time.
+
+    python tools/batch_pattern.py [--model M] [--draft D] [--clients 8] [--requests 2] [--max-tokens 256] [--fixed]
+
+The requests are HumanEval prompts in the chat template, each reply ending at EOS or
+``--max-tokens``. In the batch a reply's row leaves at the end of the cycle that finished it
+and the client's next request joins (its prompt prefilled alone), with the server's adaptive
+policy (``--fixed``: full blocks) and prefix cache; alone, each request runs on the
+single-sequence engine with a policy of its own that carries over, as a server serving one at
+a time. Both ways run once untimed first (kernels built, policies taught), then timed. Reported:
+tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
+leaves, the cycles' block sizes, rows a cycle and tokens a row and cycle; and how many replies
+are the same both ways (float32: all).
+"""
+
+import argparse
+import time
+from collections import Counter
+
+import mlx.core as mx
+
+from mlx_dflash import generate, load, use_fast_blas
+from mlx_dflash.batch import BatchDecoder
+from mlx_dflash.bench import humaneval_prompts
+from mlx_dflash.generate import encode_prompt
+from mlx_dflash.policy import BlockPolicy
+from mlx_dflash.prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+parser.add_argument("--draft", default=None, help="default: the draft shipped for the model")
+parser.add_argument("--clients", type=int, default=8)
+parser.add_argument("--requests", type=int, default=2, help="requests each client sends, one after the other")
+parser.add_argument("--max-tokens", type=int, default=256)
+parser.add_argument("--fixed", action="store_true", help="full blocks instead of the adaptive policy")
+args = parser.parse_args()
+
+use_fast_blas()
+model, tokenizer, draft = load(args.model, args.draft)
+EOS = set(tokenizer.eos_token_ids)
+prompts = [encode_prompt(tokenizer, text, chat=True) for text in humaneval_prompts()[: args.clients * args.requests]]
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    """A reply as the server sends it: up to its first EOS (kept)."""
+    end = next((i for i, t in enumerate(tokens) if t in EOS), len(tokens) - 1)
+    return tokens[: end + 1]
+
+
+def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter, Counter]:
+    """(wall seconds, every request's reply, seconds per part, rows per cycle)."""
+    waiting = {c: list(range(c, len(prompts), args.clients)) for c in range(args.clients)}
+    replies, client_of, seconds, rows = {}, {}, Counter(), Counter()
+
+    def join(client: int) -> None:
+        while waiting[client]:
+            request = waiting[client].pop(0)
+            tic = time.perf_counter()
+            row = decoder.add(prompts[request], args.max_tokens)
+            seconds["joins"] += time.perf_counter() - tic
+            replies[request] = list(row.tokens)
+            if row.id in decoder.rows and row.first not in EOS:
+                client_of[row.id] = (client, request)
+                return
+            decoder.remove(row.id)  # (its reply ended with the prefill's token)
+
+    tic = time.perf_counter()
+    for client in range(args.clients):
+        join(client)
+    while decoder.rows:
+        start = time.perf_counter()
+        committed = decoder.step()
+        seconds["cycles"] += time.perf_counter() - start
+        rows[len(committed)] += 1
+        for row_id, tokens in committed.items():
+            client, request = client_of[row_id]
+            replies[request] += tokens
+            if row_id in decoder.rows and any(t in EOS for t in tokens):
+                start = time.perf_counter()
+                decoder.remove(row_id)
+                seconds["leaves"] += time.perf_counter() - start
+            if row_id not in decoder.rows:
+                del client_of[row_id]
+                join(client)
+    mx.synchronize()
+    return time.perf_counter() - tic, {r: until_eos(t) for r, t in replies.items()}, seconds, rows
+
+
+def alone(policy) -> tuple[float, dict[int, list[int]]]:
+    tic, replies = time.perf_counter(), {}
+    for request, prompt in enumerate(prompts):
+        replies[request] = until_eos(generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
+                                              adaptive=policy).tokens)
+    return time.perf_counter() - tic, replies
+
+
+def policy():
+    return False if args.fixed else BlockPolicy(draft.block_size)
+
+
+decoder = BatchDecoder(model, draft, prefix_cache=PrefixCache(parse_bytes(DEFAULT_SIZE)), policy=policy() or None)
+solo_policy = policy()
+batched(decoder)
+alone(solo_policy)
+decoder.block_sizes.clear()
+decoder.prefix_cache = PrefixCache(parse_bytes(DEFAULT_SIZE))  # (the timed run meets the prompts afresh)
+wall, replies, seconds, rows = batched(decoder)
+solo_wall, solo_replies = alone(solo_policy)
+tokens = sum(len(t) for t in replies.values())
+cycles = sum(rows.values())
+print(f"{len(prompts)} requests from {args.clients} clients, {tokens} tokens, "
+      f"{sum(len(t) == args.max_tokens for t in replies.values())} at --max-tokens")
+print(f"batch: {tokens / wall:.1f} tok/s; joins {seconds['joins']:.2f} s, cycles {seconds['cycles']:.2f} s, "
+      f"leaves {seconds['leaves']:.2f} s of {wall:.2f} s")
+print(f"  {cycles} cycles, {sum(n * c for n, c in rows.items()) / cycles:.2f} rows a cycle, "
+      f"{(tokens - len(replies)) / sum(n * c for n, c in rows.items()):.2f} tokens a row and cycle; "
+      f"block sizes {dict(sorted(decoder.block_sizes.items()))}")
+print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.1f} tok/s "
+      f"({solo_wall:.2f} s); batch / one at a time: {solo_wall / wall * tokens / sum(map(len, solo_replies.values())):.2f}x")
+print(f"same replies: {sum(replies[r] == solo_replies[r] for r in replies)}/{len(replies)}")
