@@ -43,22 +43,21 @@ prompts = [encode_prompt(tokenizer, text, chat=True) for text in humaneval_promp
 
 
 def until_eos(tokens: list[int]) -> list[int]:
-    """A reply as the server sends it: up to its first EOS (kept)."""
-    end = next((i for i, t in enumerate(tokens) if t in EOS), len(tokens) - 1)
-    return tokens[: end + 1]
+    """A reply as the server sends it (and ``generate`` returns it): up to its first EOS, not included."""
+    return tokens[: next((i for i, t in enumerate(tokens) if t in EOS), len(tokens))]
 
 
 def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter, Counter]:
-    """(wall seconds, every request's reply, seconds per part, rows per cycle)."""
+    """(wall seconds, every request's reply, seconds per part and tokens the cycles committed, rows per cycle)."""
     waiting = {c: list(range(c, len(prompts), args.clients)) for c in range(args.clients)}
-    replies, client_of, seconds, rows = {}, {}, Counter(), Counter()
+    replies, client_of, parts, rows = {}, {}, Counter(), Counter()
 
     def join(client: int) -> None:
         while waiting[client]:
             request = waiting[client].pop(0)
             tic = time.perf_counter()
             row = decoder.add(prompts[request], args.max_tokens)
-            seconds["joins"] += time.perf_counter() - tic
+            parts["joins"] += time.perf_counter() - tic
             replies[request] = list(row.tokens)
             if row.id in decoder.rows and row.first not in EOS:
                 client_of[row.id] = (client, request)
@@ -71,20 +70,21 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
     while decoder.rows:
         start = time.perf_counter()
         committed = decoder.step()
-        seconds["cycles"] += time.perf_counter() - start
+        parts["cycles"] += time.perf_counter() - start
         rows[len(committed)] += 1
+        parts["tokens"] += sum(map(len, committed.values()))  # (not seconds: a count)
         for row_id, tokens in committed.items():
             client, request = client_of[row_id]
             replies[request] += tokens
             if row_id in decoder.rows and any(t in EOS for t in tokens):
                 start = time.perf_counter()
                 decoder.remove(row_id)
-                seconds["leaves"] += time.perf_counter() - start
+                parts["leaves"] += time.perf_counter() - start
             if row_id not in decoder.rows:
                 del client_of[row_id]
                 join(client)
     mx.synchronize()
-    return time.perf_counter() - tic, {r: until_eos(t) for r, t in replies.items()}, seconds, rows
+    return time.perf_counter() - tic, {r: until_eos(t) for r, t in replies.items()}, parts, rows
 
 
 def alone(policy) -> tuple[float, dict[int, list[int]]]:
@@ -105,16 +105,16 @@ batched(decoder)
 alone(solo_policy)
 decoder.block_sizes.clear()
 decoder.prefix_cache = PrefixCache(parse_bytes(DEFAULT_SIZE))  # (the timed run meets the prompts afresh)
-wall, replies, seconds, rows = batched(decoder)
+wall, replies, parts, rows = batched(decoder)
 solo_wall, solo_replies = alone(solo_policy)
 tokens = sum(len(t) for t in replies.values())
 cycles = sum(rows.values())
 print(f"{len(prompts)} requests from {args.clients} clients, {tokens} tokens, "
       f"{sum(len(t) == args.max_tokens for t in replies.values())} at --max-tokens")
-print(f"batch: {tokens / wall:.1f} tok/s; joins {seconds['joins']:.2f} s, cycles {seconds['cycles']:.2f} s, "
-      f"leaves {seconds['leaves']:.2f} s of {wall:.2f} s")
+print(f"batch: {tokens / wall:.1f} tok/s; joins {parts['joins']:.2f} s, cycles {parts['cycles']:.2f} s, "
+      f"leaves {parts['leaves']:.2f} s of {wall:.2f} s")
 print(f"  {cycles} cycles, {sum(n * c for n, c in rows.items()) / cycles:.2f} rows a cycle, "
-      f"{(tokens - len(replies)) / sum(n * c for n, c in rows.items()):.2f} tokens a row and cycle; "
+      f"{parts['tokens'] / sum(n * c for n, c in rows.items()):.2f} tokens a row and cycle; "
       f"block sizes {dict(sorted(decoder.block_sizes.items()))}")
 print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.1f} tok/s "
       f"({solo_wall:.2f} s); batch / one at a time: {solo_wall / wall * tokens / sum(map(len, solo_replies.values())):.2f}x")
