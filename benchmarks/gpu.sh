@@ -14,6 +14,8 @@
 #   quantized     Qwen3.5-27B shape 4- and 8-bit, Qwen3-30B-A3B shape 4-bit (replay) after 1k and 8k tokens
 #   context-pair  the default pair (bfloat16) after 2k and 7k tokens of source files, with the
 #                 draft's trained context window and with the whole context (--draft-window 0)
+#   serve         the default pair served to 1-16 clients (bfloat16 and float32) beside mlx_lm.server and
+#                 one request at a time, then the batch decoder alone in the server's pattern at 8 clients
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (164: all of HumanEval), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
@@ -69,6 +71,13 @@ for part in "${PARTS[@]}"; do
         mlx-dflash bench --model "$model" --draft "$DRAFT" "${PROMPT_ARGS[@]}" --num-prompts 3 --lengths 512 \
           --context 2048 7168 --draft-window $window --out "$RESULTS/context-pair-w$window" | tee "$RESULTS/context-pair-w$window.md"
       done ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair)" >&2; exit 2 ;;
+    serve)
+      for dtype in bfloat16 float32; do
+        model=$(mlx-dflash models fetch smollm2-135m --dtype $dtype | tail -1)
+        python3 benchmarks/serve.py --model "$model" --clients 1 4 8 16 --requests 2 --max-tokens 256 \
+          --json "$RESULTS/serve-$dtype.json" | tee "$RESULTS/serve-$dtype.md"
+        python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 2 --max-tokens 256 | tee "$RESULTS/pattern-$dtype.txt"
+      done ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve)" >&2; exit 2 ;;
   esac
 done
