@@ -1,6 +1,7 @@
 """The maintained profiling tools in tools/ and the benchmark scripts in benchmarks/ run (a smoke
 test each, on a tiny pair) and explain themselves."""
 
+import ast
 import json
 import os
 import runpy
@@ -108,12 +109,16 @@ def test_batch_costs(pair):
     assert out.count("both ways gave the same tokens: True") == 2
 
 
-def test_batch_pattern(pair):
+@pytest.mark.parametrize("blocks", [[], ["--fixed", "--block-size", "4"]], ids=["adaptive", "fixed-4"])
+def test_batch_pattern(pair, blocks):
     model, draft = pair
     out = run_tool("batch_pattern.py", "--model", model, "--draft", draft, "--clients", "2", "--requests", "2",
-                   "--max-tokens", "6")
+                   "--max-tokens", "6", *blocks)
     assert out.splitlines()[0].startswith("4 requests from 2 clients")
     assert "batch / one at a time" in out and "same replies: 4/4" in out, out
+    if blocks:
+        sizes = out.split("block sizes ")[1].split(";")[0].split("\n")[0]
+        assert set(ast.literal_eval(sizes)) <= {1, 2, 3, 4}, sizes  # (a row's last block may be shorter)
 
 
 def test_tree_costs(pair):

@@ -1,12 +1,13 @@
 """The server's batch without the server: C clients each send K greedy chat requests in turn,
 served by the batch decoder as ``mlx-dflash serve`` does, beside the same requests one at a time.
 
-    python tools/batch_pattern.py [--model M] [--draft D] [--clients 8] [--requests 2] [--max-tokens 256] [--fixed]
+    python tools/batch_pattern.py [--model M] [--draft D] [--clients 8] [--requests 2] [--max-tokens 256]
+        [--block-size B] [--fixed]
 
 The requests are HumanEval prompts in the chat template, each reply ending at EOS or
 ``--max-tokens``. In the batch a reply's row leaves at the end of the cycle that finished it
 and the client's next request joins (its prompt prefilled alone), with the server's adaptive
-policy (``--fixed``: full blocks) and prefix cache; alone, each request runs on the
+policy (``--fixed``: full blocks of ``--block-size``) and prefix cache; alone, each request runs on the
 single-sequence engine with a policy of its own that carries over, as a server serving one at
 a time. Both ways run once untimed first (kernels built, policies taught), then timed. Reported:
 tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
@@ -33,6 +34,7 @@ parser.add_argument("--draft", default=None, help="default: the draft shipped fo
 parser.add_argument("--clients", type=int, default=8)
 parser.add_argument("--requests", type=int, default=2, help="requests each client sends, one after the other")
 parser.add_argument("--max-tokens", type=int, default=256)
+parser.add_argument("--block-size", type=int, default=None, help="the largest block (default: the draft's)")
 parser.add_argument("--fixed", action="store_true", help="full blocks instead of the adaptive policy")
 args = parser.parse_args()
 
@@ -91,15 +93,16 @@ def alone(policy) -> tuple[float, dict[int, list[int]]]:
     tic, replies = time.perf_counter(), {}
     for request, prompt in enumerate(prompts):
         replies[request] = until_eos(generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
-                                              adaptive=policy).tokens)
+                                              block_size=block_size, adaptive=policy).tokens)
     return time.perf_counter() - tic, replies
 
 
 def policy():
-    return False if args.fixed else BlockPolicy(draft.block_size)
+    return False if args.fixed else BlockPolicy(block_size)
 
 
-decoder = BatchDecoder(model, draft, prefix_cache=PrefixCache(parse_bytes(DEFAULT_SIZE)), policy=policy() or None)
+block_size = args.block_size or draft.block_size
+decoder = BatchDecoder(model, draft, block_size, prefix_cache=PrefixCache(parse_bytes(DEFAULT_SIZE)), policy=policy() or None)
 solo_policy = policy()
 batched(decoder)
 alone(solo_policy)
