@@ -32,5 +32,5 @@ def _free_port_pair() -> int:
                 try:
                     second.bind(("127.0.0.1", port + 1))
                     return port
-                except OSError:
+                except (OSError, OverflowError):  # (taken, or past 65535)
                     continue

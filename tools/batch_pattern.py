@@ -8,8 +8,8 @@ The requests are HumanEval prompts in the chat template, each reply ending at EO
 ``--max-tokens``. In the batch a reply's row leaves at the end of the cycle that finished it
 and the client's next request joins (its prompt prefilled alone), with the server's adaptive
 policy (``--fixed``: full blocks of ``--block-size``) and prefix cache; alone, each request runs on the
-single-sequence engine with a policy of its own that carries over, as a server serving one at
-a time. Both ways run once untimed first (kernels built, policies taught), then timed. Reported:
+single-sequence engine with a policy of its own that carries over and a prefix cache, as a
+server serving one at a time. Both ways run once untimed first (kernels built, policies taught), then timed. Reported:
 tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
 leaves, the cycles' block sizes, rows a cycle and tokens a row and cycle; and how many replies
 are the same both ways (float32: all).
@@ -41,6 +41,7 @@ args = parser.parse_args()
 use_fast_blas()
 model, tokenizer, draft = load(args.model, args.draft)
 EOS = set(tokenizer.eos_token_ids)
+block_size = args.block_size or draft.block_size
 prompts = [encode_prompt(tokenizer, text, chat=True) for text in humaneval_prompts()[: args.clients * args.requests]]
 
 
@@ -90,10 +91,11 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
 
 
 def alone(policy) -> tuple[float, dict[int, list[int]]]:
-    tic, replies = time.perf_counter(), {}
+    """(wall seconds, every request's reply) served one at a time, with a prefix cache as the server's."""
+    tic, replies, prefix_cache = time.perf_counter(), {}, PrefixCache(parse_bytes(DEFAULT_SIZE))
     for request, prompt in enumerate(prompts):
         replies[request] = until_eos(generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
-                                              block_size=block_size, adaptive=policy).tokens)
+                                              block_size=block_size, adaptive=policy, prefix_cache=prefix_cache).tokens)
     return time.perf_counter() - tic, replies
 
 
@@ -101,7 +103,6 @@ def policy():
     return False if args.fixed else BlockPolicy(block_size)
 
 
-block_size = args.block_size or draft.block_size
 decoder = BatchDecoder(model, draft, block_size, prefix_cache=PrefixCache(parse_bytes(DEFAULT_SIZE)), policy=policy() or None)
 solo_policy = policy()
 batched(decoder)
@@ -111,13 +112,14 @@ decoder.prefix_cache = PrefixCache(parse_bytes(DEFAULT_SIZE))  # (the timed run 
 wall, replies, parts, rows = batched(decoder)
 solo_wall, solo_replies = alone(solo_policy)
 tokens = sum(len(t) for t in replies.values())
-cycles = sum(rows.values())
+cycles = max(sum(rows.values()), 1)
 print(f"{len(prompts)} requests from {args.clients} clients, {tokens} tokens, "
       f"{sum(len(t) == args.max_tokens for t in replies.values())} at --max-tokens")
 print(f"batch: {tokens / wall:.1f} tok/s; joins {parts['joins']:.2f} s, cycles {parts['cycles']:.2f} s, "
       f"leaves {parts['leaves']:.2f} s of {wall:.2f} s")
-print(f"  {cycles} cycles, {sum(n * c for n, c in rows.items()) / cycles:.2f} rows a cycle, "
-      f"{parts['tokens'] / sum(n * c for n, c in rows.items()):.2f} tokens a row and cycle; "
+row_cycles = max(sum(n * c for n, c in rows.items()), 1)
+print(f"  {sum(rows.values())} cycles, {row_cycles / cycles:.2f} rows a cycle, "
+      f"{parts['tokens'] / row_cycles:.2f} tokens a row and cycle; "
       f"block sizes {dict(sorted(decoder.block_sizes.items()))}")
 print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.1f} tok/s "
       f"({solo_wall:.2f} s); batch / one at a time: {solo_wall / wall * tokens / sum(map(len, solo_replies.values())):.2f}x")
