@@ -22,7 +22,7 @@ from collections import Counter
 import mlx.core as mx
 
 from mlx_dflash import generate, load, use_fast_blas
-from mlx_dflash.batch import BatchDecoder
+from mlx_dflash.batch import BatchDecoder, until_eos
 from mlx_dflash.bench import humaneval_prompts
 from mlx_dflash.generate import encode_prompt
 from mlx_dflash.policy import BlockPolicy
@@ -40,14 +40,13 @@ args = parser.parse_args()
 
 use_fast_blas()
 model, tokenizer, draft = load(args.model, args.draft)
-EOS = set(tokenizer.eos_token_ids)
+EOS = frozenset(tokenizer.eos_token_ids)
 block_size = args.block_size or draft.block_size
 prompts = [encode_prompt(tokenizer, text, chat=True) for text in humaneval_prompts()[: args.clients * args.requests]]
 
 
-def until_eos(tokens: list[int]) -> list[int]:
-    """A reply as the server sends it (and ``generate`` returns it): up to its first EOS, not included."""
-    return tokens[: next((i for i, t in enumerate(tokens) if t in EOS), len(tokens))]
+def prefix_cache() -> PrefixCache:
+    return PrefixCache(parse_bytes(DEFAULT_SIZE))
 
 
 def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter, Counter]:
@@ -87,15 +86,15 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
                 del client_of[row_id]
                 join(client)
     mx.synchronize()
-    return time.perf_counter() - tic, {r: until_eos(t) for r, t in replies.items()}, parts, rows
+    return time.perf_counter() - tic, {r: until_eos(t, EOS) for r, t in replies.items()}, parts, rows
 
 
 def alone(policy) -> tuple[float, dict[int, list[int]]]:
     """(wall seconds, every request's reply) served one at a time, with a prefix cache as the server's."""
-    tic, replies, prefix_cache = time.perf_counter(), {}, PrefixCache(parse_bytes(DEFAULT_SIZE))
+    tic, replies, cache = time.perf_counter(), {}, prefix_cache()
     for request, prompt in enumerate(prompts):
         replies[request] = until_eos(generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens,
-                                              block_size=block_size, adaptive=policy, prefix_cache=prefix_cache).tokens)
+                                              block_size=block_size, adaptive=policy, prefix_cache=cache).tokens, EOS)
     return time.perf_counter() - tic, replies
 
 
@@ -103,12 +102,12 @@ def policy():
     return False if args.fixed else BlockPolicy(block_size)
 
 
-decoder = BatchDecoder(model, draft, block_size, prefix_cache=PrefixCache(parse_bytes(DEFAULT_SIZE)), policy=policy() or None)
+decoder = BatchDecoder(model, draft, block_size, prefix_cache=prefix_cache(), policy=policy() or None)
 solo_policy = policy()
 batched(decoder)
 alone(solo_policy)
 decoder.block_sizes.clear()
-decoder.prefix_cache = PrefixCache(parse_bytes(DEFAULT_SIZE))  # (the timed run meets the prompts afresh)
+decoder.prefix_cache = prefix_cache()  # (the timed run meets the prompts afresh)
 wall, replies, parts, rows = batched(decoder)
 solo_wall, solo_replies = alone(solo_policy)
 tokens = sum(len(t) for t in replies.values())

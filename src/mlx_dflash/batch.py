@@ -394,4 +394,9 @@ def batch_generate(model: nn.Module, prompts: list[list[int]], draft: DFlashDraf
             outputs[row] += tokens
             if any(t in eos for t in tokens):
                 decoder.remove(row)
-    return [tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))] for tokens in outputs]
+    return [until_eos(tokens, eos) for tokens in outputs]
+
+
+def until_eos(tokens: list[int], eos: frozenset) -> list[int]:
+    """``tokens`` up to their first EOS, not included (a reply as ``generate`` and the server give it)."""
+    return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))]
