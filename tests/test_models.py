@@ -92,6 +92,17 @@ def test_registered_name_works_as_model(smollm2):
     assert len(model.layers) == 30
 
 
+def test_a_fetched_folder_finds_its_shipped_draft(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
+    draft = models.shipped_draft("smollm2-135m")
+    for dtype, bits in [("float32", None), ("bfloat16", None), ("float16", 4)]:
+        assert models.shipped_draft(str(models.model_dir("smollm2-135m", dtype, bits))) == draft
+    # A folder of the same name elsewhere, or another name in the cache, is not a registered model.
+    for other in [tmp_path / "smollm2-135m-float32", models.home() / "models" / "smollm2-135m-float32-extra"]:
+        with pytest.raises(DFlashError, match="no draft ships"):
+            models.shipped_draft(str(other))
+
+
 def test_wrong_hash_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DFLASH_HOME", str(tmp_path / "home"))
     entry = models.ModelEntry("fake", "a fake model", "none", (("fake-wheel==1.0", "fake/data.bin"),), "0" * 64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,12 +83,25 @@ SHIPPED_DRAFTS = Path(__file__).parent / "drafts"  # drafts trained by `mlx-dfla
 
 
 def shipped_draft(model: str) -> str:
-    """The draft that ships with a registered model; other models need --draft. (Checked
-    before the model is fetched: no download for a pair that cannot run.)"""
-    path = SHIPPED_DRAFTS / model
-    if model not in REGISTRY or not (path / "config.json").is_file():
+    """The draft that ships with a registered model (by name or its fetched folder); other models
+    need --draft. (Checked before the model is fetched: no download for a pair that cannot run.)"""
+    name = registered_name(model)
+    path = SHIPPED_DRAFTS / str(name)
+    if name is None or not (path / "config.json").is_file():
         raise DFlashError(f"no draft ships for {model!r}; pass --draft (a DFlash draft folder or Hugging Face id)")
     return str(path)
+
+
+def registered_name(model: str) -> Optional[str]:
+    """The registered model ``model`` names, or is the folder of (one ``fetch`` made: the path
+    ``mlx-dflash models fetch`` prints); None for any other model."""
+    if model in REGISTRY:
+        return model
+    path = Path(model).expanduser()
+    if path.parent.resolve() != (home() / "models").resolve():
+        return None
+    return next((name for name in REGISTRY for dtype in DTYPES
+                 if re.fullmatch(re.escape(f"{name}-{dtype}") + r"(-q\d+)?", path.name)), None)
 
 
 def home() -> Path:
