@@ -86,8 +86,8 @@ def shipped_draft(model: str) -> str:
     """The draft that ships with a registered model (by name or its fetched folder); other models
     need --draft. (Checked before the model is fetched: no download for a pair that cannot run.)"""
     name = registered_name(model)
-    path = SHIPPED_DRAFTS / str(name)
-    if name is None or not (path / "config.json").is_file():
+    path = SHIPPED_DRAFTS / name if name else None
+    if path is None or not (path / "config.json").is_file():
         raise DFlashError(f"no draft ships for {model!r}; pass --draft (a DFlash draft folder or Hugging Face id)")
     return str(path)
 
@@ -98,10 +98,8 @@ def registered_name(model: str) -> Optional[str]:
     if model in REGISTRY:
         return model
     path = Path(model).expanduser()
-    if path.parent.resolve() != (home() / "models").resolve():
-        return None
-    return next((name for name in REGISTRY for dtype in DTYPES
-                 if re.fullmatch(re.escape(f"{name}-{dtype}") + r"(-q\d+)?", path.name)), None)
+    unquantized = (path.parent / re.sub(r"-q\d+$", "", path.name)).resolve()  # (``model_dir``'s bits suffix)
+    return next((name for name in REGISTRY for dtype in DTYPES if model_dir(name, dtype).resolve() == unquantized), None)
 
 
 def home() -> Path:
