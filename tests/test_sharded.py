@@ -96,8 +96,12 @@ def test_serve_sharded_answers_as_a_single_process_does(sharded_runs, family, sh
             assert answer.choices[0].text == alone.text
         stream = client.completions.create(model=str(folder / "target"), prompt=PROMPT, max_tokens=40, stream=True)
         next(iter(stream))  # (Ctrl-C mid-generation: every process is inside the same cycle's collectives)
-    finally:  # Ctrl-C as a terminal sends it: to every process of the launch
-        os.killpg(server.pid, signal.SIGINT)
+    finally:  # Ctrl-C to every process of the launch, but not to mlx.launch itself: a KeyboardInterrupt
+        # inside one of its queue calls can leave a lock held and the launcher waiting forever
+        children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 2, children
+        for pid in children:
+            os.kill(int(pid), signal.SIGINT)
         try:
             output, ended = server.communicate(timeout=60)[0], True
         except subprocess.TimeoutExpired:
