@@ -75,6 +75,8 @@ def test_malformed_draft_configs(pair, tmp_path, capsys, changes, words):
     (["--prompt", "caf\udce9"], "--prompt is not valid UTF-8 (byte e9"),  # (how Python hands over a Latin-1 é)
     (["--prompt", "x" * CONTEXT], f"does not fit the model's context of {CONTEXT} tokens"),
     (["--draft-window", "-1"], "draft window"),
+    (["--tree-budget", "0"], "a tree budget must be in 1..1024, got 0"),
+    (["--tree-budget", "4"], "tree budgets must be in 8..1024 (at least the block size"),
 ])
 def test_bad_generate_arguments(pair, home, capsys, flags, words):
     model, draft = pair

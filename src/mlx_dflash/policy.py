@@ -92,9 +92,9 @@ def fixed_tree_budget(trees: Union[bool, int]) -> Optional[int]:
 def check_tree_budget(budget: int, max_block: int, fixed: bool = False) -> None:
     """A policy weighs trees of at least a block's nodes (sizes past the block); fixed blocks
     verify trees of any budget."""
-    if fixed and not 1 <= budget <= MAX_TREE_BUDGET:
+    if not 1 <= budget <= MAX_TREE_BUDGET:  # (no setting takes it: no hint at --no-adaptive)
         raise DFlashError(f"a tree budget must be in 1..{MAX_TREE_BUDGET}, got {budget}")
-    if not fixed and not max_block <= budget <= MAX_TREE_BUDGET:
+    if not fixed and budget < max_block:
         raise DFlashError(f"the adaptive policy's tree budgets must be in {max_block}..{MAX_TREE_BUDGET} (at least "
                           f"the block size; smaller trees run with fixed blocks: --no-adaptive), got {budget}")
 
