@@ -99,7 +99,6 @@ def test_serve_sharded_answers_as_a_single_process_does(sharded_runs, family, sh
     finally:  # Ctrl-C to every process of the launch, but not to mlx.launch itself: a KeyboardInterrupt
         # inside one of its queue calls can leave a lock held and the launcher waiting forever
         children = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True).stdout.split()
-        assert len(children) == 2, children
         for pid in children:
             os.kill(int(pid), signal.SIGINT)
         try:
