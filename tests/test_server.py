@@ -128,6 +128,30 @@ def test_a_lone_request_runs_alone_and_others_batch_beside_it(server):
     assert text == alone_again["choices"][0]["message"]["content"]
 
 
+def test_a_lone_generation_moves_into_the_batch_when_others_come(server):
+    """A greedy request running alone goes on in the batch once others arrive (its prompt and
+    tokens so far prefilled there): its streamed text and usage equal its solo generation's,
+    and so do the others'."""
+    base, model, tokenizer, draft = server
+    moved = httpx.get(base + "/health").json()["batch"]["moved_in"]
+    conversations = [[{"role": "user", "content": f"Join {i}"}] for i in range(2)]
+    expected_long = expected_chat(model, tokenizer, draft, MESSAGES, 1000)
+    expected = [expected_chat(model, tokenizer, draft, m, 12).text for m in conversations]
+    body = {"model": NAME, "messages": MESSAGES, "max_tokens": 1000, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as alone:
+        lines = alone.iter_lines()
+        first = next(lines)
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda m: client(base).chat.completions.create(
+                model=NAME, messages=m, max_tokens=12).choices[0].message.content, conversations))
+        chunks = [json.loads(line[6:]) for line in [first, *lines] if line.startswith("data: {")]
+    assert answers == expected
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected_long.text
+    assert chunks[-1]["usage"]["completion_tokens"] == 1000 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert httpx.get(base + "/health").json()["batch"]["moved_in"] == moved + 1
+
+
 def test_chat_streaming_equals_generate(server):
     base, model, tokenizer, draft = server
     chunks = list(client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=24, stream=True))

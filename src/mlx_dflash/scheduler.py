@@ -44,6 +44,7 @@ class BatchWorker:
         self.active: dict[int, BatchRequest] = {}
         self.task: Optional[asyncio.Task] = None
         self.cycles = self.peak_rows = 0  # (``/health``)
+        self.moved_in = 0  # generations moved in from the single-sequence engine (by the server)
 
     @property
     def busy(self) -> bool:
@@ -51,11 +52,13 @@ class BatchWorker:
         return bool(self.pending or self.active)
 
     async def stream(self, request: BatchRequest, disconnected) -> AsyncIterator[StreamResponse]:
-        """``request``'s responses, one per cycle it took part in; stops when ``disconnected()``."""
+        """``request``'s responses, one per cycle it took part in; stops when ``disconnected()``.
+        A text that holds tokens already (a generation moved in) goes on after them; the decode
+        rate is of the tokens made here."""
         self.pending.append(request)
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run())
-        tic, cycles = time.perf_counter(), 0
+        tic, cycles, earlier = time.perf_counter(), 0, len(request.text.tokens)
         try:
             while not await disconnected():
                 committed = await request.tokens.get()
@@ -69,7 +72,7 @@ class BatchWorker:
                 elapsed = time.perf_counter() - tic
                 yield StreamResponse(segment, new, None if cycles == 0 else len(committed), cycles, len(request.prompt),
                                      prefill_s, len(request.text.tokens),
-                                     max(len(request.text.tokens) - 1, 0) / elapsed if elapsed > 0 else 0.0,
+                                     max(len(request.text.tokens) - earlier - 1, 0) / elapsed if elapsed > 0 else 0.0,
                                      request.text.finish_reason, request.reused_prompt_tokens)
                 cycles += 1
                 if request.text.finish_reason:
@@ -91,7 +94,8 @@ class BatchWorker:
 
     def stats(self) -> dict:
         return {"rows": len(self.active), "waiting": len(self.pending), "cycles": self.cycles,
-                "peak_rows": self.peak_rows, "block_sizes": dict(sorted(self.decoder.block_sizes.items()))}
+                "peak_rows": self.peak_rows, "moved_in": self.moved_in,
+                "block_sizes": dict(sorted(self.decoder.block_sizes.items()))}
 
     def _cycle(self, loop: asyncio.AbstractEventLoop) -> None:
         """Join waiting requests, drop leaving rows, run one cycle (on the server's model thread)."""

@@ -15,6 +15,7 @@ others, which generate it alongside (``follow``); a generation then always runs 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -32,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .batch import BatchDecoder, batches
 from .distributed import receive_job, send_job, sharding_group
-from .generate import TextStream, encode_prompt, stream_generate
+from .generate import StreamResponse, TextStream, encode_prompt, stream_generate
 from .errors import DFlashError
 from .mlx_thread import MLXThread
 from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
@@ -419,24 +420,32 @@ def create_app(served: Served) -> FastAPI:
 
     solo = asyncio.Lock()  # one generation outside the batch at a time
 
-    async def run(job: Job, request: Request) -> AsyncIterator:
+    async def in_batch(job: Job, request: Request, sent: list[int]) -> AsyncIterator[StreamResponse]:
+        """``job``'s responses from the batch; ``sent``: the tokens it already sent from the
+        single-sequence engine (a generation moved in: the batch prefills them with the prompt)."""
+        text = TextStream(served.tokenizer, mx.array(job.prompt), job.max_tokens, job.stop, not job.chat)
+        text.add(sent)  # (the text they made was sent: it holds back what it held back then)
+        batch_request = BatchRequest(job.prompt + sent, job.max_tokens - len(sent), text, job.sampling_params)
+        try:
+            async for response in worker.stream(batch_request, request.is_disconnected):
+                yield response
+        finally:
+            counts["completed" if text.finish_reason else "cancelled"] += 1
+
+    async def run(job: Job, request: Request) -> AsyncIterator[StreamResponse]:
         """Responses of one generation; stops when the client goes away. A request joins the
         batch where there is one, unless it is the only request (then it runs alone, on the
-        single-sequence engine: queued cycles, compiled blocks) or the batch cannot take how it
-        samples (``batch.batches``: a seed, the batch's block sizes would change its draws; logits
-        processors)."""
-        sampling = job.sampling_params
-        if worker is not None and batches(sampling) and (worker.busy or solo.locked()):
-            text = TextStream(served.tokenizer, mx.array(job.prompt), job.max_tokens, job.stop, not job.chat)
-            try:
-                async for response in worker.stream(BatchRequest(job.prompt, job.max_tokens, text, sampling),
-                                                    request.is_disconnected):
-                    yield response
-            finally:
-                counts["completed" if text.finish_reason else "cancelled"] += 1
+        single-sequence engine: queued cycles, compiled blocks, until others come) or the batch
+        cannot take how it samples (``batch.batches``: a seed, the batch's block sizes would
+        change its draws; logits processors)."""
+        batchable = worker is not None and batches(job.sampling_params)
+        if batchable and (worker.busy or solo.locked()):
+            async for response in in_batch(job, request, []):
+                yield response
             return
         # The lock per cycle: the batch's cycles run between this one's (and count in the cycle
         # times its policy sees, each capped at 1.5x a size's cost: ``policy.SPIKE_CAP``).
+        sent, last, moving = [], None, False
         async with solo:
             responses, finished = stream(job), False
             try:
@@ -447,13 +456,25 @@ def create_app(served: Served) -> FastAPI:
                         finished = True
                         return
                     yield response
+                    sent += response.tokens
+                    last = response
+                    # Others came: go on in the batch, one cycle for all (here, every batch cycle
+                    # would wait for one of this generation's).
+                    if batchable and worker.busy and not response.finish_reason:
+                        moving = True
+                        break
             finally:  # (shielded: a client gone cancels this task, and it must still clean up)
                 with anyio.CancelScope(shield=True):
                     async with lock:
                         if served.group is not None and not finished:  # the others run it to its end: so must we
                             await thread.run(lambda: all(True for _ in responses))
                         await thread.run(responses.close)  # (its end stores the reply in the prefix cache)
-                counts["completed" if finished else "cancelled"] += 1
+                if not moving:
+                    counts["completed" if finished else "cancelled"] += 1
+        if moving:
+            worker.moved_in += 1
+            async for response in in_batch(job, request, sent):  # (its prompt's reuse: the one reported)
+                yield dataclasses.replace(response, reused_prompt_tokens=last.reused_prompt_tokens)
 
     @app.get("/health")
     async def health():
