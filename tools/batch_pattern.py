@@ -11,8 +11,9 @@ policy (``--fixed``: full blocks of ``--block-size``) and prefix cache; alone, e
 single-sequence engine with a policy of its own that carries over and a prefix cache, as a
 server serving one at a time. Both ways run once untimed first (kernels built, policies taught), then timed. Reported:
 tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
-leaves, the cycles' block sizes, rows a cycle and tokens a row and cycle; and how many replies
-are the same both ways (float32: all).
+leaves, the cycles' block sizes, rows a cycle and tokens a row and cycle, and what its policy
+believed at the end (cost a cycle per size and row count, expected tokens a row per size); and
+how many replies are the same both ways (float32: all).
 """
 
 import argparse
@@ -123,3 +124,11 @@ print(f"  {sum(rows.values())} cycles, {row_cycles / cycles:.2f} rows a cycle, "
 print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.1f} tok/s "
       f"({solo_wall:.2f} s); batch / one at a time: {solo_wall / wall * tokens / sum(map(len, solo_replies.values())):.2f}x")
 print(f"same replies: {sum(replies[r] == solo_replies[r] for r in replies)}/{len(replies)}")
+if decoder.policy is not None:  # what the batch's policy believed at the end: its choices' reasons
+    known = {**decoder.policy.cost_tables, decoder.policy.cost_key: (decoder.policy.seconds, decoder.policy.samples)}
+    for key in sorted(k for k in known if k is not None):
+        seconds, samples = known[key]
+        print(f"  policy's cost a cycle at <= {key} rows: " + ", ".join(
+            f"{size}: {1e3 * s:.1f} ms ({samples.get(size, 0)} cycles)" for size, s in sorted(seconds.items())))
+    print("  policy's expected tokens a row: " + ", ".join(
+        f"{size}: {decoder.policy.expected_tokens(size):.2f}" for size in decoder.policy.sizes))
