@@ -126,7 +126,7 @@ print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.
 print(f"same replies: {sum(replies[r] == solo_replies[r] for r in replies)}/{len(replies)}")
 if decoder.policy is not None:  # what the batch's policy believed at the end: its choices' reasons
     known = {**decoder.policy.cost_tables, decoder.policy.cost_key: (decoder.policy.seconds, decoder.policy.samples)}
-    for key in sorted(k for k in known if k is not None):
+    for key in sorted(k for k in known if k is not None and known[k][0]):
         seconds, samples = known[key]
         print(f"  policy's cost a cycle at <= {key} rows: " + ", ".join(
             f"{size}: {1e3 * s:.1f} ms ({samples.get(size, 0)} cycles)" for size, s in sorted(seconds.items())))
