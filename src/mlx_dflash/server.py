@@ -473,7 +473,7 @@ def create_app(served: Served) -> FastAPI:
                     counts["completed" if finished else "cancelled"] += 1
         if moving:
             worker.moved_in += 1
-            async for response in in_batch(job, request, sent):  # (its prompt's reuse: the one reported)
+            async for response in in_batch(job, request, sent):  # (usage reports its prompt's reuse, not the move's)
                 yield dataclasses.replace(response, reused_prompt_tokens=last.reused_prompt_tokens)
 
     @app.get("/health")
