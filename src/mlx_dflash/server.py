@@ -1,10 +1,11 @@
 """``mlx-dflash serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-Greedy requests are decoded together (continuous batching, ``scheduler.py``): they join and
-leave a batch between its cycles, and each cycle verifies every row in one target forward. A
-request that arrives alone runs on the single-sequence engine (faster for one sequence), as do
-requests the batch cannot take (sampling; targets and drafts ``batch.py`` does not batch), one
-at a time beside the batch. Every model call holds an asyncio lock (FIFO), a cycle at a time,
+Requests are decoded together (continuous batching, ``scheduler.py``): they join and leave a
+batch between its cycles, and each cycle verifies every row in one target forward. A request
+that arrives alone runs on the single-sequence engine (faster for one sequence) until others
+come, then moves into the batch; requests the batch cannot take (a seed, logits processors;
+targets and drafts ``batch.py`` does not batch) run there to their end, one at a time beside
+the batch. Every model call holds an asyncio lock (FIFO), a cycle at a time,
 and runs on the server's one model thread (``mlx_thread.py``), so the event loop stays free to
 notice a client that disconnects mid-stream; its row or generation stops at the next cycle.
 Bad requests get a 4xx with an OpenAI-style error body and the server keeps serving. With a
