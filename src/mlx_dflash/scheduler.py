@@ -44,7 +44,7 @@ class BatchWorker:
         self.active: dict[int, BatchRequest] = {}
         self.task: Optional[asyncio.Task] = None
         self.cycles = self.peak_rows = 0  # (``/health``)
-        self.moved_in = 0  # generations moved in from the single-sequence engine (by the server)
+        self.moved_in = 0  # generations moved in from the single-sequence engine (texts that came with tokens)
 
     @property
     def busy(self) -> bool:
@@ -59,6 +59,7 @@ class BatchWorker:
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run())
         tic, cycles, earlier = time.perf_counter(), 0, len(request.text.tokens)
+        self.moved_in += earlier > 0
         try:
             while not await disconnected():
                 committed = await request.tokens.get()

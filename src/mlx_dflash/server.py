@@ -446,7 +446,7 @@ def create_app(served: Served) -> FastAPI:
             return
         # The lock per cycle: the batch's cycles run between this one's (and count in the cycle
         # times its policy sees, each capped at 1.5x a size's cost: ``policy.SPIKE_CAP``).
-        sent, last, moving = [], None, False
+        sent, reused, moving = [], 0, False
         async with solo:
             responses, finished = stream(job), False
             try:
@@ -458,7 +458,7 @@ def create_app(served: Served) -> FastAPI:
                         return
                     yield response
                     sent += response.tokens
-                    last = response
+                    reused = response.reused_prompt_tokens
                     # Others came: go on in the batch, one cycle for all (here, every batch cycle
                     # would wait for one of this generation's).
                     if batchable and worker.busy and not response.finish_reason:
@@ -473,9 +473,8 @@ def create_app(served: Served) -> FastAPI:
                 if not moving:
                     counts["completed" if finished else "cancelled"] += 1
         if moving:
-            worker.moved_in += 1
             async for response in in_batch(job, request, sent):  # (usage reports its prompt's reuse, not the move's)
-                yield dataclasses.replace(response, reused_prompt_tokens=last.reused_prompt_tokens)
+                yield dataclasses.replace(response, reused_prompt_tokens=reused)
 
     @app.get("/health")
     async def health():
