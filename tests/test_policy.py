@@ -135,6 +135,20 @@ def test_a_runs_first_cycle_resets_a_cost_only_downwards():
     assert policy.seconds[1] == 0.8 * 1.0 + 0.2 * (policy_module.SPIKE_CAP * 1.0)
 
 
+def test_a_size_timed_in_a_stall_is_timed_again_by_its_probes():
+    """A probe runs two cycles and times the second: a full block whose one timed cycle caught
+    a stall (a new compiled shape) would otherwise look dear for good, its probes never timed."""
+    policy = BlockPolicy(16, tree_budgets=())
+    costs = {1: 6.0, 2: 12.0, 4: 13.0, 8: 15.8, 16: 14.4}  # a GPU: 16 no dearer than 8
+    stalled = iter([True])
+    def seconds_of(block: int) -> float:
+        stall = block == 16 and policy.previous_block == 16 and next(stalled, False)
+        return costs[block] * (3.0 if stall else 1.0)
+
+    chosen = drive(policy, lambda b: min(6, b), seconds_of, 300)
+    assert policy.seconds[16] == pytest.approx(14.4) and chosen[-100:] == [16] * 100
+
+
 def test_stalls_do_not_make_plain_decoding_look_dear():
     """Plain steps of 5 ms with a stall of 25-50 ms every few steps (a GPU's hiccups) still cost
     about 5 ms to the policy: useless 16-blocks at 8.6 ms never look faster."""

@@ -10,7 +10,10 @@ decoding (no draft pass). Where a verify costs the same for 1 or 16 tokens (a GP
 full blocks win; where it grows with the block (a CPU) a weak draft is best used
 with short blocks. While a smaller size wins, the next size up is still tried now
 and then (less often each time it loses; a cheaper probe than a full block) so the
-policy notices, one size at a time, when the text becomes predictable. And while blocks win
+policy notices, one size at a time, when the text becomes predictable. A probe runs two
+cycles, the second timed: a size whose one timed cycle caught a stall (a new compiled shape
+in a batch) would otherwise never be timed again, and one such cycle kept a batch on 8-token
+blocks where 16 cost no more. And while blocks win
 by little, such a probe runs plain decoding again instead: its cost, timed early in a text, can
 be far off later, and a policy that believed the early cost would keep blocks at an acceptance
 where plain decoding is much faster.
@@ -49,6 +52,7 @@ WARMUP_CYCLES = 2  # full blocks first (the first is not timed), to learn the te
 # while blocks win by less, a probe runs plain decoding again to re-time it.
 RETIME_MARGIN = 1.5
 RETIME_STEPS = 3  # such a probe's plain steps: the switch (not timed) and two timed ones
+PROBE_STEPS = 2  # a probe's cycles of the size up: the switch (not timed) and one timed
 # Each cycle the acceptance statistics fade by this factor (a memory of ~50 cycles): a text
 # that turns poor after a long predictable stretch (an answer that ended, `bench --no-eos`)
 # otherwise kept blocks for as long as its good start outweighed the poor cycles since
@@ -132,7 +136,7 @@ class BlockPolicy:
         self.chosen = 0  # sizes chosen: one ahead of ``cycles`` when the engine queues the next cycle early
         self.since_probe = 0
         self.probing: int | None = None  # the size being probed: one above the best, or 1 (a re-time)
-        self.retiming = 0  # plain steps still to run for a re-time of plain decoding
+        self.repeats = 0  # cycles of the probed size still to run after the probe's first
         # Re-times back off on their own, per text: the probes' back-off can carry over from a
         # text where plain decoding won, and kept a re-time from ever coming in the next one.
         self.since_retime = 0
@@ -154,7 +158,7 @@ class BlockPolicy:
         self.cost_key, self.previous_block, self.timed_previous = key, None, None  # (no steady cycle across keys)
         # A probe or forecast under way is judged against the costs it was chosen by: dropped
         # (the new key's table may not have a timed size to judge it against).
-        self.probing, self.forecasting, self.forecast_is_probe, self.guess = None, False, False, None
+        self.probing, self.repeats, self.forecasting, self.forecast_is_probe, self.guess = None, 0, False, False, None
 
     def expected_tokens(self, block: int) -> float:
         """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it).
@@ -207,9 +211,10 @@ class BlockPolicy:
             return largest  # warm-up: the largest block that fits, until one drafting size is timed
         if 1 not in self.seconds:
             return 1
-        if self.retiming:
-            self.retiming -= 1
-            return 1
+        if self.repeats:
+            self.repeats -= 1
+            if self.probing in sizes:
+                return self.probing
         best = self.best(sizes)
         best_rate = self.rate(best)
         untimed = [size for size in sizes if size not in self.seconds and self.worth_timing(size, best_rate)]
@@ -218,7 +223,7 @@ class BlockPolicy:
         if best > 1 and RETIME_MARGIN * self.rate(1) > best_rate:  # plain decoding may be cheaper now
             self.since_retime += 1
             if self.since_retime >= self.retime_every and not self.forecasting:
-                self.since_retime, self.retiming, self.probing = 0, RETIME_STEPS - 1, 1
+                self.since_retime, self.repeats, self.probing = 0, RETIME_STEPS - 1, 1
                 return 1
         if best == sizes[-1]:
             return best
@@ -227,7 +232,7 @@ class BlockPolicy:
             self.since_probe = 0
             if best == 1:
                 return self._forecast(probe=True)
-            self.probing = sizes[sizes.index(best) + 1]
+            self.probing, self.repeats = sizes[sizes.index(best) + 1], PROBE_STEPS - 1
             return self.probing
         return best
 
@@ -330,14 +335,14 @@ class BlockPolicy:
             fresh = old is None or (self.timed_previous != block and seconds < old)
             self.seconds[block] = seconds if fresh else 0.8 * old + 0.2 * min(seconds, SPIKE_CAP * old)
         self.timed_previous = block if steady and not forecast else None
-        if block == self.probing and block > 1:  # a probe lost: look less often; it won: it is the new best
+        if block == self.probing and steady:  # a probe lost: look less often; it won: it is the new best
             self.probing = None
-            won = self.best(self.sizes) >= block
-            self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
-        elif block == self.probing and steady:  # a re-time: the same, on its own schedule
-            self.probing = None
-            won = self.best(self.sizes) == 1
-            self.retime_every = PROBE_START if won else min(2 * self.retime_every, PROBE_MAX)
+            if block > 1:
+                won = self.best(self.sizes) >= block
+                self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
+            else:  # a re-time: the same, on its own schedule
+                won = self.best(self.sizes) == 1
+                self.retime_every = PROBE_START if won else min(2 * self.retime_every, PROBE_MAX)
 
 
 class CycleClock:
