@@ -54,6 +54,7 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
     """(wall seconds, every request's reply, seconds per part and tokens the cycles committed, rows per cycle)."""
     waiting = {c: list(range(c, len(prompts), args.clients)) for c in range(args.clients)}
     replies, client_of, parts, rows = {}, {}, Counter(), Counter()
+    left: set[int] = set()  # rows whose client sent its next request (a row's last tokens may come a step later)
 
     def join(client: int) -> None:
         while waiting[client]:
@@ -83,8 +84,8 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
                 start = time.perf_counter()
                 decoder.remove(row_id)
                 parts["leaves"] += time.perf_counter() - start
-            if row_id not in decoder.rows:
-                del client_of[row_id]
+            if row_id not in decoder.rows and row_id not in left:
+                left.add(row_id)
                 join(client)
     mx.synchronize()
     return time.perf_counter() - tic, {r: until_eos(t, EOS) for r, t in replies.items()}, parts, rows
