@@ -126,7 +126,7 @@ print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.
       f"({solo_wall:.2f} s); batch / one at a time: {solo_wall / wall * tokens / sum(map(len, solo_replies.values())):.2f}x")
 print(f"same replies: {sum(replies[r] == solo_replies[r] for r in replies)}/{len(replies)}")
 if decoder.policy is not None:  # what the batch's policy believed at the end: its choices' reasons
-    known = {**decoder.policy.cost_tables, decoder.policy.cost_key: (decoder.policy.seconds, decoder.policy.samples)}
+    known = decoder.policy.costs()
     for key in sorted(k for k in known if k is not None and known[k][0]):
         seconds, samples = known[key]
         print(f"  policy's cost a cycle at <= {key} rows: " + ", ".join(

@@ -160,6 +160,10 @@ class BlockPolicy:
         # (the new key's table may not have a timed size to judge it against).
         self.probing, self.repeats, self.forecasting, self.forecast_is_probe, self.guess = None, 0, False, False, None
 
+    def costs(self) -> dict[Hashable, tuple[dict[int, float], dict[int, int]]]:
+        """Every key's measured costs: (seconds a cycle, cycles seen) per size, the current key's included."""
+        return {**self.cost_tables, self.cost_key: (self.seconds, self.samples)}
+
     def expected_tokens(self, block: int) -> float:
         """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it).
         A tree: the tokens its cycles committed on average (before any: a full block's)."""
