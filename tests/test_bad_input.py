@@ -111,6 +111,7 @@ def test_a_model_without_a_shipped_draft_fails_before_any_download(pair, home, c
     (["--time-budget", "-5"], "--time-budget must be a positive number"),
     (["--time-budget", "nan"], "--time-budget must be a positive number"),
     (["--seed", "-1"], "--seed must be in 0.."),
+    (["--intermediate-size", "0"], "--intermediate-size must be at least 1"),
 ])
 def test_bad_train_arguments_fail_before_loading(tmp_path, capsys, flags, words):
     code = main(["train", "--model", "/no/such/model", "--data", str(tmp_path), "--out", str(tmp_path / "run"), *flags])

@@ -62,6 +62,37 @@ def test_round_trip_gives_identical_drafts(target, tmp_path):
     assert a.tokens == b.tokens and a.acceptance_lengths == b.acceptance_lengths
 
 
+def test_a_large_draft_is_saved_in_shards_that_load_back(target, tmp_path):
+    """Over the file limit: shards with an index, each under it; saved again whole, no stale shard stays."""
+    _, _, _, config = target
+    draft = create_random_draft(config, num_layers=2, mask_token_id=MASK_ID, intermediate_size=32)
+    assert draft.config.intermediate_size == 32 and draft.layers[0].mlp.up_proj.weight.shape == (32, 64)
+    limit = 40_000  # above the largest tensor (fc, 32 KB)
+    save_draft(draft, tmp_path / "d", max_file_bytes=limit)
+    files = sorted(p.name for p in (tmp_path / "d").glob("*.safetensors"))
+    assert len(files) > 2 and "model.safetensors" not in files
+    assert all((tmp_path / "d" / f).stat().st_size < limit + 4096 for f in files)
+    index = json.loads((tmp_path / "d" / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == files
+    assert set(index["weight_map"]) == {k for k, _ in tree_flatten(draft.parameters())}
+    loaded = load_draft(str(tmp_path / "d"))
+    for (k1, v1), (k2, v2) in zip(tree_flatten(draft.parameters()), tree_flatten(loaded.parameters())):
+        assert k1 == k2 and mx.array_equal(v1, v2)
+    assert loaded.config.intermediate_size == 32
+    save_draft(loaded, tmp_path / "d")  # whole again: the shards and their index go
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["config.json", "model.safetensors"]
+    assert mx.array_equal(load_draft(str(tmp_path / "d")).fc.weight, draft.fc.weight)
+
+
+def test_an_index_naming_a_missing_shard_is_a_clear_error(target, tmp_path):
+    _, _, _, config = target
+    save_draft(create_random_draft(config, num_layers=2, mask_token_id=MASK_ID), tmp_path / "d",
+               max_file_bytes=20_000)
+    next((tmp_path / "d").glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(DFlashError, match="missing: model-00002-of"):
+        load_draft(str(tmp_path / "d"))
+
+
 def test_loads_a_checkpoint_written_by_another_tool(target, tmp_path):
     """Weights written straight from the spec's key list (bf16, as published) load unchanged."""
     _, model, _, config = target

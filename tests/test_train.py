@@ -239,14 +239,15 @@ def test_data_is_resumable(tiny_data, tiny_dir):
 def test_tiny_training_run_loss_falls_and_draft_reloads(tiny_data, tmp_path):
     path, data = tiny_data
     model, tokenizer = load_tiny(path)
-    cfg = TrainConfig(layers=1, block_size=8, mask_token_id=MASK_ID, steps=40, batch_size=4, anchors=16,
-                      lr=3e-3, eval_every=0, eval_prompts=2, eval_tokens=16, save_every=0)
+    cfg = TrainConfig(layers=1, intermediate_size=48, block_size=8, mask_token_id=MASK_ID, steps=40, batch_size=4,
+                      anchors=16, lr=3e-3, eval_every=0, eval_prompts=2, eval_tokens=16, save_every=0)
     draft_dir = train(model, tokenizer, [str(data)], str(tmp_path / "run"), cfg)
     losses = [h["loss"] for h in cfg.history if "loss" in h]
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
     assert (tmp_path / "run" / "training.png").stat().st_size > 0
     draft = load_draft(str(draft_dir))
     assert draft.config.block_size == 8 and draft.config.mask_token_id == MASK_ID
+    assert draft.config.intermediate_size == 48  # (narrower than the target's MLP)
     prompt = read_sequences(data)[0]
     result = generate(model, tokenizer, prompt["tokens"][: prompt["prompt_len"]], draft, max_tokens=24)
     assert len(result.tokens) > 0 and result.cycles > 0

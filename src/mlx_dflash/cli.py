@@ -315,6 +315,8 @@ def _add_train(sub) -> None:
                    help="start from this draft's weights (fine-tune it) instead of random ones; "
                         "its layers, block size and tapped layers are kept")
     p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="the draft's MLP width (default: the target's; narrower: a smaller, faster draft)")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--target-layers", type=int, nargs="+", default=None, help="tapped target layers")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: a spare special token")
@@ -351,8 +353,10 @@ def _run_train(args) -> None:
     from .target import load_target
     from .train import TrainConfig, train
 
-    if args.draft_vocab is not None and args.draft_vocab < 1:
-        raise DFlashError(f"--draft-vocab must be at least 1, got {args.draft_vocab}")
+    for name in ("draft_vocab", "intermediate_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     for name in ("layers", "block_size", "steps", "batch_size", "anchors", "max_len"):
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -370,7 +374,8 @@ def _run_train(args) -> None:
     if not 0 <= args.selector_weight < 1e6:
         raise DFlashError(f"--selector-weight must be a non-negative number, got {args.selector_weight}")
     cfg = TrainConfig(
-        layers=args.layers, block_size=args.block_size, target_layer_ids=args.target_layers,
+        layers=args.layers, intermediate_size=args.intermediate_size, block_size=args.block_size,
+        target_layer_ids=args.target_layers,
         mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
         anchors=args.anchors, max_len=args.max_len, lr=args.lr, eval_every=args.eval_every,
         eval_prompts=args.eval_prompts, held_out_from=args.held_out_from, save_every=args.save_every,

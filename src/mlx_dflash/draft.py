@@ -376,17 +376,19 @@ def create_random_draft(
     block_size: int = 16,
     mask_token_id: int,
     target_layer_ids: Optional[list[int]] = None,
+    intermediate_size: Optional[int] = None,
     seed: int = 0,
     dflash2: Optional[DFlash2Config] = None,
 ) -> DFlashDraft:
     """A freshly initialised draft shaped after the target's layers (for tests and training);
-    with ``dflash2``, a DFlash2 draft (its convolutions and selector at their identity start)."""
+    ``intermediate_size`` narrows its MLPs (default: the target's); with ``dflash2``, a DFlash2
+    draft (its convolutions and selector at their identity start)."""
     num_target_layers = target_config["num_hidden_layers"]
     heads = target_config["num_attention_heads"]
     layer_ids = target_layer_ids or default_target_layer_ids(num_target_layers, num_layers)
     config = DraftConfig(
         hidden_size=target_config["hidden_size"],
-        intermediate_size=target_config["intermediate_size"],
+        intermediate_size=intermediate_size or target_config["intermediate_size"],
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=target_config.get("num_key_value_heads") or heads,

@@ -22,7 +22,9 @@ from .errors import DFlashError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # names the shards of a draft saved in several files
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+MAX_FILE_BYTES = 20_000_000  # larger drafts are saved in shards (a package keeps each file small)
 
 def _resolve_path(path_or_repo: str) -> Path:
     """A local folder, or a Hugging Face repo id resolved the way mlx-lm does."""
@@ -51,7 +53,7 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         raise DFlashError(f"{config_path} is not valid JSON: {exc}") from None
     config = DraftConfig.from_dict(raw)
     config.draft_vocab = _read_draft_vocab(path, config.vocab_size)
-    weight_files = sorted(path.glob("*.safetensors"))
+    weight_files = _weight_files(path)
     if not weight_files:
         raise DFlashError(f"{path} has no *.safetensors weights")
     weights: dict[str, mx.array] = {}
@@ -74,6 +76,34 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         draft.set_dtype(dtype)
     mx.eval(draft.parameters())
     return draft
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The files an index names (a sharded draft), else every ``*.safetensors`` in the folder."""
+    index = path / INDEX_FILE
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise DFlashError(f"{index} is not a safetensors index: {exc!r}") from None
+    missing = [name for name in names if not (path / name).is_file()]
+    if missing:
+        raise DFlashError(f"{index} names weight files that are missing: {', '.join(missing)}")
+    return [path / name for name in names]
+
+
+def _shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
+    """Consecutive groups of at most ``max_bytes`` (a larger tensor gets a group of its own)."""
+    shards: list[dict[str, mx.array]] = [{}]
+    size = 0
+    for name, value in weights.items():
+        if shards[-1] and size + value.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    return shards
 
 
 def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
@@ -108,8 +138,10 @@ def quantize_draft(draft: DFlashDraft, bits: int, group_size: int = 64) -> None:
     draft.config.extra["quantization"] = {"group_size": group_size, "bits": bits}
 
 
-def save_draft(draft: DFlashDraft, path: str | Path) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` in the published layout."""
+def save_draft(draft: DFlashDraft, path: str | Path, max_file_bytes: int = MAX_FILE_BYTES) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the published layout; weights over
+    ``max_file_bytes`` go to ``model-0000i-of-0000n.safetensors`` shards with an index (the
+    Hugging Face layout)."""
     path = Path(path)
     vocab_file = path / DRAFT_VOCAB_FILE
     if draft.config.draft_vocab:
@@ -119,15 +151,28 @@ def save_draft(draft: DFlashDraft, path: str | Path) -> Path:
     # over the draft it was loaded from) never leaves a half-written file
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as tmp:
         staged = Path(tmp)
-        mx.save_safetensors(str(staged / WEIGHTS_FILE), dict(tree_flatten(draft.parameters())),
-                            metadata={"format": "mlx"})
+        shards = _shards(dict(tree_flatten(draft.parameters())), max_file_bytes)
+        names = [WEIGHTS_FILE] if len(shards) == 1 else [
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        for name, shard in zip(names, shards):
+            mx.save_safetensors(str(staged / name), shard, metadata={"format": "mlx"})
         (staged / CONFIG_FILE).write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
         if draft.config.draft_vocab:
             (staged / DRAFT_VOCAB_FILE).write_text(json.dumps(draft.config.draft_vocab) + "\n")
         elif vocab_file.exists():
             vocab_file.unlink()
-        for file in staged.iterdir():
+        if len(shards) > 1:
+            weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
+            total = sum(value.nbytes for shard in shards for value in shard.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staged / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        # the index last and stale weight files after: a draft read mid-save is the old one or
+        # fails with a clear error, never a mix
+        for file in sorted(staged.iterdir(), key=lambda f: f.name == INDEX_FILE):
             os.replace(file, path / file.name)
+        for file in [*path.glob("*.safetensors"), path / INDEX_FILE]:
+            if file.exists() and file.name not in names and not (file.name == INDEX_FILE and len(shards) > 1):
+                file.unlink()
     return path
 
 

@@ -44,6 +44,7 @@ PROBE_WARMUP = 2  # ...timed after these (the first steps compile, and would ove
 @dataclass
 class TrainConfig:
     layers: int = 5
+    intermediate_size: Optional[int] = None  # the draft's MLP width; default: the target's
     block_size: int = 16
     target_layer_ids: Optional[list[int]] = None
     mask_token_id: Optional[int] = None
@@ -331,6 +332,7 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         if cfg.arch == "dflash2":
             draft = to_dflash2(draft)  # (a v1 draft: the identity start, a fine-tune from its drafts)
         cfg.layers, cfg.block_size = draft.config.num_hidden_layers, draft.block_size
+        cfg.intermediate_size = draft.config.intermediate_size
         cfg.target_layer_ids, cfg.mask_token_id = draft.config.target_layer_ids, draft.config.mask_token_id
     else:
         vocab_size = text_args(target_model).vocab_size
@@ -341,7 +343,8 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
                               f"got {cfg.mask_token_id}")
         draft = create_random_draft(
             vars(text_args(target_model)), num_layers=cfg.layers, block_size=cfg.block_size,
-            mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids, seed=cfg.seed,
+            mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids,
+            intermediate_size=cfg.intermediate_size, seed=cfg.seed,
             dflash2=DFlash2Config() if cfg.arch == "dflash2" else None,
         )
         draft.config.context_window = cfg.max_len  # it never sees more context than this in training
