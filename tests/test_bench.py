@@ -32,13 +32,13 @@ def test_bench_runs_and_writes_everything(tiny_dir, tmp_path):
     replay = functools.partial(ReplayProposer, block_size=16, schedule=geometric_schedule(6.5, 16),
                                vocab_size=VOCAB_SIZE)
     ar_draft = load_tiny(make_tiny_target(tiny_dir / "bench-ar", "qwen3", num_hidden_layers=1, seed=1))[0]
-    cfg = BenchConfig(lengths=[12, 20], repeats=2, no_eos=True)
+    cfg = BenchConfig(lengths=[12, 20], repeats=2, no_eos=True, num_draft_tokens=(2, 4))
     summary = run_bench(model, tokenizer, prompts, {"dflash": draft, "dflash_replay": replay}, cfg,
                         ar_draft=ar_draft, out_dir=tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["summary"] == json.loads(json.dumps(summary))
-    assert len(saved["runs"]) == 2 * 2 * 2 * 4  # prompts x lengths x repeats x methods
-    for method in ("baseline", "mlx_lm_speculative", "dflash", "dflash_replay"):
+    assert len(saved["runs"]) == 2 * 2 * 2 * 5  # prompts x lengths x repeats x methods
+    for method in ("baseline", "mlx_lm_speculative_k2", "mlx_lm_speculative_k4", "dflash", "dflash_replay"):
         for length in (12, 20):
             entry = summary[f"{method}@{length}"]
             assert SUMMARY_FIELDS <= set(entry)
@@ -220,6 +220,7 @@ def test_long_context_prompts(tmp_path, capsys):
         summary = json.loads((out / f"context-{context}" / "results.json").read_text())["summary"]
         assert summary["dflash@6"]["token_match"] == {"0": True, "1": True}
     assert main(["bench", "--context", "1"]) == 2
+    assert main(["bench", "--ar-draft", "x", "--num-draft-tokens", "3", "0"]) == 2
     assert main(["bench", "--model", model_dir, "--draft", draft_dir, "--context", "2040", "--lengths", "16"]) == 2
     assert "passes the model's context of 2048 tokens" in capsys.readouterr().err
 

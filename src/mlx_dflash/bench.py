@@ -294,7 +294,7 @@ class BenchConfig:
     warmup: bool = True
     no_eos: bool = False
     block_size: Optional[int] = None
-    num_draft_tokens: int = 3
+    num_draft_tokens: Sequence[int] = (3,)  # mlx-lm speculative decoding: a method per count
     sampling: Optional[SamplingParams] = None  # None: greedy
     tree_budgets: Sequence[int] = ()  # the adaptive policy's trees (methods dflash_tree<B>: fixed ones)
     # mlx-lm's greedy on every prompt before any DFlash generation, instead of alternating: on
@@ -337,8 +337,8 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                     for name, proposer in proposers.items() if name.endswith("_adaptive")}
         if cfg.warmup:
             with full_length():
-                if ar_draft is not None:
-                    run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, cfg.num_draft_tokens)
+                for k in cfg.num_draft_tokens if ar_draft is not None else ():
+                    run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, k)
                 warmed = set()
                 fixed_trees = [budget for method in proposers if (budget := tree_budget(method))]
                 for name, proposer in sorted(proposers.items(), key=lambda item: item[0] not in policies):
@@ -351,9 +351,9 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
             prompt = prompts[p]
             base = baselines.get(job) or baseline(job)
             runs.append(base)
-            if ar_draft is not None:
-                runs.append(Run("mlx_lm_speculative", p, length,
-                                *run_mlx_lm(model, tokenizer, prompt, length, ar_draft, cfg.num_draft_tokens)[:4]))
+            for k in cfg.num_draft_tokens if ar_draft is not None else ():
+                runs.append(Run(f"mlx_lm_speculative_k{k}", p, length,
+                                *run_mlx_lm(model, tokenizer, prompt, length, ar_draft, k)[:4]))
             for name, proposer in proposers.items():
                 if _is_factory(proposer):  # replay: built from this prompt's greedy reference
                     proposer = proposer(list(prompt) + base.tokens)

@@ -390,7 +390,8 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="DFlash vs plain decoding (and mlx-lm speculative decoding), side by side")
     _add_pair_flags(p)
     p.add_argument("--ar-draft", default=None, help="autoregressive draft for mlx-lm's speculative decoding")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="for --ar-draft")
+    p.add_argument("--num-draft-tokens", type=int, nargs="+", default=[3], metavar="K",
+                   help="for --ar-draft: tokens it drafts a step; several: a method each (mlx_lm_speculative_kK)")
     p.add_argument("--prompts", default=None, help=".jsonl with a 'prompt' per line (default: HumanEval)")
     p.add_argument("--num-prompts", type=int, default=10)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True, help="apply the chat template")
@@ -436,8 +437,9 @@ def _run_bench(args) -> None:
     from .replay import replay_methods
 
     for name in ("num_prompts", "repeats", "num_draft_tokens", "draft_layers"):
-        if getattr(args, name) < 1:
-            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if (min(value) if isinstance(value, list) else value) < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.context is not None and min(args.context) < 2:
         raise DFlashError("--context must all be at least 2 tokens")
     if args.draft_vocab is not None and (args.draft_vocab < 1 or not args.scale):
@@ -446,7 +448,7 @@ def _run_bench(args) -> None:
         raise DFlashError("--lengths must all be at least 1")
     cfg = BenchConfig(lengths=args.lengths, repeats=args.repeats, warmup=not args.no_warmup,
                       no_eos=args.no_eos or bool(args.scale), block_size=args.block_size,
-                      num_draft_tokens=args.num_draft_tokens, baselines_first=args.baselines_first,
+                      num_draft_tokens=sorted(set(args.num_draft_tokens)), baselines_first=args.baselines_first,
                       tree_budgets=args.tree_budgets or ())
     group = _quiet_other_ranks()
     out = Path(args.out) if group is None or group.rank() == 0 else None  # (one writer)
