@@ -26,6 +26,7 @@ INDEX_FILE = "model.safetensors.index.json"  # names the shards of a draft saved
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 MAX_FILE_BYTES = 20_000_000  # larger drafts are saved in shards (a package keeps each file small)
 
+
 def _resolve_path(path_or_repo: str) -> Path:
     """A local folder, or a Hugging Face repo id resolved the way mlx-lm does."""
     path = Path(path_or_repo).expanduser()
@@ -170,8 +171,9 @@ def save_draft(draft: DFlashDraft, path: str | Path, max_file_bytes: int = MAX_F
         # fails with a clear error, never a mix
         for file in sorted(staged.iterdir(), key=lambda f: f.name == INDEX_FILE):
             os.replace(file, path / file.name)
+        written = {*names, INDEX_FILE} if len(shards) > 1 else set(names)
         for file in [*path.glob("*.safetensors"), path / INDEX_FILE]:
-            if file.exists() and file.name not in names and not (file.name == INDEX_FILE and len(shards) > 1):
+            if file.name not in written and file.exists():
                 file.unlink()
     return path
 
