@@ -313,7 +313,7 @@ def _add_train(sub) -> None:
     p.add_argument("--out", required=True, help="output folder: draft/, checkpoint/, training.png")
     p.add_argument("--init", default=None,
                    help="start from this draft's weights (fine-tune it) instead of random ones; "
-                        "its layers, block size and tapped layers are kept")
+                        "its layers, MLP width, block size and tapped layers are kept")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="the draft's MLP width (default: the target's; narrower: a smaller, faster draft)")
