@@ -313,6 +313,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
     runs: list[Run] = []
     jobs = [(p, n, r) for n in cfg.lengths for p in range(len(prompts)) for r in range(cfg.repeats)]
     baselines: dict[tuple, Run] = {}
+    draft_counts = cfg.num_draft_tokens if ar_draft is not None else ()  # mlx-lm speculative methods
 
     def baseline(job: tuple) -> Run:
         p, length, _ = job
@@ -337,7 +338,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
                     for name, proposer in proposers.items() if name.endswith("_adaptive")}
         if cfg.warmup:
             with full_length():
-                for k in cfg.num_draft_tokens if ar_draft is not None else ():
+                for k in draft_counts:
                     run_mlx_lm(model, tokenizer, prompts[0], 64, ar_draft, k)
                 warmed = set()
                 fixed_trees = [budget for method in proposers if (budget := tree_budget(method))]
@@ -351,7 +352,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
             prompt = prompts[p]
             base = baselines.get(job) or baseline(job)
             runs.append(base)
-            for k in cfg.num_draft_tokens if ar_draft is not None else ():
+            for k in draft_counts:
                 runs.append(Run(f"mlx_lm_speculative_k{k}", p, length,
                                 *run_mlx_lm(model, tokenizer, prompt, length, ar_draft, k)[:4]))
             for name, proposer in proposers.items():

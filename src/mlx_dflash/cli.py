@@ -436,10 +436,11 @@ def _run_bench(args) -> None:
     from .data import encode_chat, read_prompts
     from .replay import replay_methods
 
-    for name in ("num_prompts", "repeats", "num_draft_tokens", "draft_layers"):
-        value = getattr(args, name)
-        if (min(value) if isinstance(value, list) else value) < 1:
-            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("num_prompts", "repeats", "draft_layers"):
+        if getattr(args, name) < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if min(args.num_draft_tokens) < 1:
+        raise DFlashError("--num-draft-tokens must all be at least 1")
     if args.context is not None and min(args.context) < 2:
         raise DFlashError("--context must all be at least 2 tokens")
     if args.draft_vocab is not None and (args.draft_vocab < 1 or not args.scale):

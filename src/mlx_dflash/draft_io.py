@@ -95,7 +95,8 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
-    """Consecutive groups of at most ``max_bytes`` (a larger tensor gets a group of its own)."""
+    """Consecutive groups of at most ``max_bytes`` (a larger tensor gets a group of its own).
+    (mlx-lm's ``make_shards`` does this in whole gigabytes; a packaged draft's files are MBs.)"""
     shards: list[dict[str, mx.array]] = [{}]
     size = 0
     for name, value in weights.items():
