@@ -68,6 +68,28 @@ def test_batch_labels_follow_the_anchors():
         assert (weights[i, n:] == 0).all()
 
 
+def test_batch_labels_of_records_of_every_length():
+    """Records longer than max_len, shorter than the batch, and with fewer response positions
+    than anchors (the rest padding: weight 0): every label against the record's own tokens."""
+    records = [{"id": 0, "prompt_len": 3, "tokens": list(range(200, 240))},  # cut at max_len
+               {"id": 1, "prompt_len": 2, "tokens": [7, 8, 9, 10, 11]},  # 2 response positions, 6 anchors
+               {"id": 2, "prompt_len": 5, "tokens": list(range(50, 70))}]
+    cfg = TrainConfig(block_size=5, anchors=6, max_len=32)
+    batch = make_batch(records, cfg, MASK_ID, np.random.default_rng(3))
+    anchors, labels, weights = (np.array(batch[k]) for k in ("anchors", "labels", "weights"))
+    decay = np.exp(-np.arange(4) / cfg.loss_gamma())
+    for b, record in enumerate(records):
+        seq = record["tokens"][: cfg.max_len]
+        picked = min(cfg.anchors, len(seq) - 1 - record["prompt_len"])
+        for i in range(cfg.anchors):
+            for k in range(4):
+                position = anchors[b, i] + 1 + k
+                live = i < picked and position < len(seq)
+                assert labels[b, i, k] == (seq[position] if live else 0), (b, i, k)
+                assert weights[b, i, k] == pytest.approx(decay[k] if live else 0.0), (b, i, k)
+    assert (weights[1, 2:] == 0).all() and (anchors[1, 2:] == 0).all()
+
+
 def test_batch_labels_index_the_draft_vocabulary():
     """With a draft vocabulary the loss ranks only its tokens: labels become head columns and
     a label outside the vocabulary weighs nothing."""
