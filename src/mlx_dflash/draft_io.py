@@ -153,7 +153,8 @@ def save_draft(draft: DFlashDraft, path: str | Path, max_file_bytes: int = MAX_F
     # over the draft it was loaded from) never leaves a half-written file
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as tmp:
         staged = Path(tmp)
-        shards = _shards(dict(tree_flatten(draft.parameters())), max_file_bytes)
+        weights = dict(tree_flatten(draft.parameters()))
+        shards = _shards(weights, max_file_bytes)
         names = [WEIGHTS_FILE] if len(shards) == 1 else [
             f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
         for name, shard in zip(names, shards):
@@ -165,14 +166,15 @@ def save_draft(draft: DFlashDraft, path: str | Path, max_file_bytes: int = MAX_F
             vocab_file.unlink()
         if len(shards) > 1:
             weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
-            total = sum(value.nbytes for shard in shards for value in shard.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            index = {"metadata": {"total_size": sum(value.nbytes for value in weights.values())},
+                     "weight_map": weight_map}
             (staged / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         # the index last and stale weight files after: a draft read mid-save is the old one or
         # fails with a clear error, never a mix
-        for file in sorted(staged.iterdir(), key=lambda f: f.name == INDEX_FILE):
+        files = sorted(staged.iterdir(), key=lambda f: f.name == INDEX_FILE)
+        written = {file.name for file in files}
+        for file in files:
             os.replace(file, path / file.name)
-        written = {*names, INDEX_FILE} if len(shards) > 1 else set(names)
         for file in [*path.glob("*.safetensors"), path / INDEX_FILE]:
             if file.name not in written and file.exists():
                 file.unlink()
