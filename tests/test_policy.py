@@ -197,6 +197,22 @@ def test_slot_statistics_use_short_blocks_too(monkeypatch):
     assert abs(policy.expected_tokens(4) - (1 + 1 + 0.5 + 0.5)) < 1e-9
 
 
+def test_an_unchecked_slot_is_as_likely_as_the_deepest_slot_checked():
+    """Slot 1 accepted once in three, slots 2.. never checked (a short block's, a forecast's first
+    hit): a full block expects a geometric run, not 15 certain slots, so where a verify costs more
+    with each token (a CPU) plain decoding wins."""
+    policy = BlockPolicy(16, tree_budgets=(), slot_decay=1.0)
+    assert policy.expected_tokens(16) == 16  # nothing checked yet: optimistic
+    policy.record(2, 2, 1.43)  # slot 1 accepted, slot 2 not checked
+    policy.record(16, 1, 3.13)
+    policy.record(16, 1, 3.13)
+    assert policy.slot_checked[1:3] == [3, 0]
+    assert abs(policy.expected_tokens(16) - sum(3.0 ** -k for k in range(16))) < 1e-9
+    policy.seconds = {1: 1.0, 2: 1.43, 4: 1.8, 8: 2.27, 16: 3.13}
+    policy.chosen = 5
+    assert policy.choose() == 1  # (15 certain slots: 6 tokens for 3.13, a full block)
+
+
 def test_a_shared_policy_keeps_its_costs_and_starts_each_text_afresh():
     policy = BlockPolicy(16, tree_budgets=())
     drive(policy, lambda b: 1, lambda b: 2.0 if b == 16 else 1.0, 100)  # useless draft: plain wins

@@ -166,14 +166,19 @@ class BlockPolicy:
 
     def expected_tokens(self, block: int) -> float:
         """E[min(L, block)]: the bonus token plus each drafted slot times P(it and all before it).
-        A tree: the tokens its cycles committed on average (before any: a full block's)."""
+        A slot not checked yet counts as likely as the deepest slot checked (none checked: certain);
+        taken as certain, slots past a forecast's first hit kept a weak draft on full blocks until
+        slot 1's misses outweighed 15 certain slots. A tree: the tokens its cycles committed on
+        average (before any: a full block's)."""
         if block > self.max_block:
             tokens, cycles = self.tree_tokens.get(block, (0.0, 0.0))
             return tokens / cycles if cycles else self.expected_tokens(self.max_block)
-        expected, reach = 1.0, 1.0
+        expected, reach, rate = 1.0, 1.0, 1.0
         for k in range(1, block):
             checked = self.slot_checked[k]
-            reach *= self.slot_accepted[k] / checked if checked else 1.0  # unseen slots: optimistic
+            if checked:
+                rate = self.slot_accepted[k] / checked
+            reach *= rate
             expected += reach
         return expected
 
