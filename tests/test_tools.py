@@ -55,9 +55,19 @@ def test_cycle_timeline(pair, tmp_path):
     assert out.startswith("prompt 0: mlx-lm ") and "host launch" in out and "waiting" in out
 
 
-def test_policy_simulation():
+def test_policy_simulation(tmp_path):
     out = run_tool("policy_simulation.py", "--cycles", "40")
     assert out.count("tokens per plain step's cost") == 10
+    # recorded texts through one warmed-up policy: a useless draft's text runs plain steps (its
+    # first a forecast, as after the warm-up plain decoding won), a perfect one after it full blocks
+    results = {"runs": [{"method": "dflash", "prompt": 0, "acceptance_lengths": [1] * 40},
+                        {"method": "dflash", "prompt": 1, "acceptance_lengths": [16] * 40}]}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    out = run_tool("policy_simulation.py", "--cycles", "60", "--block-cost", "1.19", "1.3", "1.4", "1.53",
+                   "--forecast-cost", "0.15", "--runs", str(tmp_path / "results.json"))
+    useless, perfect = out.splitlines()[-2:]
+    assert "60 plain (3 with a forecast), 0 blocks" in useless
+    assert "59 blocks" in perfect and float(perfect.split(", ")[-1].split()[0]) > 10
 
 
 def test_cold_start(tmp_path):
