@@ -23,7 +23,7 @@ import json
 import random
 from typing import Iterator
 
-from mlx_dflash.policy import SLOT_DECAY, BlockPolicy
+from mlx_dflash.policy import SLOT_DECAY, BlockPolicy, candidate_sizes
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cycles", type=int, default=500)
@@ -66,8 +66,10 @@ def simulate(runs: Iterator[int], policy: BlockPolicy) -> tuple[int, int, int, f
         spent, tokens, previous = spent + cost, tokens + acceptance, block
         # the draft's guesses past the verified tokens, as the engine hands them over: a forecast's
         # (its first `run` come true), or one past a short block wholly accepted; token 0 comes true
-        guess = [0] * run + [1] * (15 - run) if forecast else None
-        if 1 < block < 16 and acceptance == block:
+        guess = None
+        if forecast:
+            guess = [0] * run + [1] * (policy.max_block - 1 - run)
+        elif 1 < block < policy.max_block and acceptance == block:
             guess = [0 if run >= block else 1]
         policy.record_cycle(block, [0] * acceptance, cost, guess)
     return plain, blocks, forecasts, tokens / spent
@@ -80,7 +82,7 @@ def new_policy() -> BlockPolicy:
 def warmed_up_policy() -> BlockPolicy:
     """A policy that has timed every size (a server's or `bench`'s warm-up)."""
     policy = new_policy()
-    for block in (1, 2, 4, 8, 16):
+    for block in candidate_sizes(policy.max_block):
         for _ in range(3):
             policy.record(block, 1, BLOCK_COST.get(block, 1.0))
     return policy
