@@ -12,8 +12,8 @@
 #   context       the Qwen3.5-9B-shape replay after prompts of 2k, 8k, 16k and 32k tokens (one
 #                 prompt each), then 4 prompts each at 8k and 32k
 #   quantized     Qwen3.5-27B shape 4- and 8-bit, Qwen3-30B-A3B shape 4-bit (replay) after 1k and 8k tokens
-#   context-pair  the default pair (bfloat16) after 2k and 7k tokens of source files, with the
-#                 draft's trained context window and with the whole context (--draft-window 0)
+#   context-pair  the default pair (bfloat16) after 2k and 7k tokens of source files, the draft's
+#                 context window 256 (its default), 768 (its training length) and all (0)
 #   serve         the default pair served to 1-16 clients (bfloat16 and float32) beside mlx_lm.server and
 #                 one request at a time, then the batch decoder alone in the server's pattern at 8 clients
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
@@ -67,7 +67,7 @@ for part in "${PARTS[@]}"; do
       done ;;
     context-pair)
       model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
-      for window in 768 0; do
+      for window in 256 768 0; do
         mlx-dflash bench --model "$model" --draft "$DRAFT" "${PROMPT_ARGS[@]}" --num-prompts 3 --lengths 512 \
           --context 2048 7168 --draft-window $window --out "$RESULTS/context-pair-w$window" | tee "$RESULTS/context-pair-w$window.md"
       done ;;

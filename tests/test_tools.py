@@ -137,3 +137,13 @@ def test_tree_costs(pair):
                    "--max-tokens", "12")
     assert [line.split(" | ")[0] for line in out.splitlines()[2:5]] == ["| chain", "| tree 20, device", "| tree 20, host"]
     assert "(tree 20: both ways gave the same tokens: True)" in out
+
+
+def test_window_acceptance(pair):
+    model, draft = pair
+    out = run_tool("window_acceptance.py", "--model", model, "--draft", draft, "--context", "0", "1500",
+                   "--windows", "8", "0", "--num-prompts", "2", "--max-tokens", "12")
+    lines = out.splitlines()
+    assert lines[0] == "| window | context of the question | context 1500 |"
+    assert lines[2].startswith("| 8 | ") and lines[3].startswith("| all | ")
+    assert lines[-1].endswith("every window the same texts: True")  # (float32: the target's own tokens)

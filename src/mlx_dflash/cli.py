@@ -76,7 +76,7 @@ def _add_pair_flags(p) -> None:
                    help="quantize the draft's linear layers to 4 or 8 bits at load time")
     p.add_argument("--draft-window", type=int, default=None,
                    help="draft attends to 4 sink + this many latest context positions (0: all; "
-                        "default: the window the draft was trained with, else all)")
+                        "default: the draft's own, dflash_config.context_window, else all)")
 
 
 def _add_sampling_flags(p) -> None:
