@@ -46,7 +46,7 @@ for context in args.context:
         set_draft_window(draft, window)
         results = [generate(model, tokenizer, mx.array(prompt), draft, max_tokens=args.max_tokens) for prompt in prompts]
         verifies = [a for result in results for a in result.acceptance_lengths[:-1]]  # (the last may be cut short)
-        rows[window].append(f"{sum(verifies) / len(verifies):.2f}")
+        rows[window].append(f"{sum(verifies) / len(verifies):.2f}" if verifies else "-")
         tokens = [result.tokens for result in results]
         same_texts &= texts is None or tokens == texts
         texts = tokens
