@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_dflash import generate, load, use_fast_blas
 from mlx_dflash.bench import humaneval_prompts
 from mlx_dflash.bench_prompts import long_context_prompts
-from mlx_dflash.generate import encode_prompt
+from mlx_dflash.data import encode_chat
 from mlx_dflash.pair import set_draft_window
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,14 +37,15 @@ print("| window | " + " | ".join(f"context {n or 'of the question'}" for n in ar
 print("|---" * (len(args.context) + 1) + "|")
 rows: dict[int, list[str]] = {window: [] for window in args.windows}
 for context in args.context:
+    # (the chat template, as `bench` builds its prompts)
     if context:
         prompts = long_context_prompts(tokenizer, questions, context)
     else:
-        prompts = [encode_prompt(tokenizer, question, chat=True).tolist() for question in questions]
+        prompts = [encode_chat(tokenizer, question) for question in questions]
     texts = None
     for window in args.windows:
         set_draft_window(draft, window)
-        results = [generate(model, tokenizer, mx.array(prompt), draft, max_tokens=args.max_tokens) for prompt in prompts]
+        results = [generate(model, tokenizer, mx.array(p), draft, max_tokens=args.max_tokens) for p in prompts]
         verifies = [a for result in results for a in result.acceptance_lengths[:-1]]  # (the last may be cut short)
         rows[window].append(f"{sum(verifies) / len(verifies):.2f}" if verifies else "-")
         tokens = [result.tokens for result in results]
