@@ -139,6 +139,18 @@ def test_tree_costs(pair):
     assert "(tree 20: both ways gave the same tokens: True)" in out
 
 
+def test_draft_costs(pair):
+    """A v1 draft and its identity DFlash2 copy verify the same blocks: the same texts, the same
+    tokens per verify (what differs is the cost of a cycle)."""
+    model, draft = pair
+    out = run_tool("draft_costs.py", "--model", model, "--drafts", draft, draft, "--identity-v2", "--num-prompts", "2",
+                   "--max-tokens", "12")
+    rows = [line.split(" | ") for line in out.splitlines()[2:6]]
+    assert [row[0] for row in rows] == [f"| {draft}", f"| {draft} as identity DFlash2"] * 2
+    assert len({row[3] for row in rows}) == 1, out  # tokens per verify
+    assert out.splitlines()[-1].endswith("every draft the same texts: True)")
+
+
 def test_window_acceptance(pair):
     model, draft = pair
     out = run_tool("window_acceptance.py", "--model", model, "--draft", draft, "--context", "0", "1500",

@@ -123,15 +123,17 @@ class DraftMLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+@mx.compile  # (one fused kernel rather than a few per tap: a v2 pass runs four per layer)
 def block_conv(y: mx.array, deltas: mx.array, base: mx.array, group_size: int) -> mx.array:
     """DFlash2's per-token convolution over a block ([B, T, H]): out[t, c] = sum over taps of
     (base[tap, c] + deltas[t, tap, c // group_size]) * y[t - tap, c], with y = 0 before the
     block's start (it never reaches into the context). deltas: [B, T, taps, H / group_size]."""
     B, T, H = y.shape
-    kernel = base + mx.repeat(deltas, group_size, axis=-1)  # [B, T, taps, H]
+    taps = base.shape[0]
+    kernel = (base.reshape(taps, -1, group_size) + deltas[..., None]).reshape(B, T, taps, H)
     out = kernel[..., 0, :] * y
-    for tap in range(1, base.shape[0]):
-        shifted = mx.concatenate([mx.zeros((B, min(tap, T), H), y.dtype), y[:, : max(T - tap, 0)]], axis=1)
+    for tap in range(1, taps):
+        shifted = mx.pad(y[:, : max(T - tap, 0)], [(0, 0), (min(tap, T), 0), (0, 0)])
         out = out + kernel[..., tap, :] * shifted
     return out
 
@@ -217,25 +219,29 @@ class CandidateSelector(nn.Module):
         score; with a ``temperature`` the candidate is sampled from softmax(S / T) (draws from
         ``key``), and the second result is that distribution on the vocabulary [n, V] (the q of
         speculative sampling)."""
-        k = min(top_k, logits.shape[-1])
+        n, k = logits.shape[0], min(top_k, logits.shape[-1])
         local = mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
-        scores = mx.take_along_axis(logits, local, axis=-1)  # [n, k]
-        candidates = local if ids is None else ids[local]
-        successors = self.successor_codebook[candidates]  # [n, k, rank]
+        candidates = local if ids is None else ids[local]  # [n, k]
+        # Every slot's score for each of its candidates after each token that can precede it (the
+        # previous slot's candidates; the first slot's: first_token), in one batched product, so
+        # the walk below is a chain of lookups rather than a product per slot.
+        previous = mx.concatenate([mx.broadcast_to(first_token.reshape(1, 1), (1, k)), candidates[:-1]])
         g = self.hidden_projection(hidden)  # [n, rank]
-        previous, drafted, qs = first_token.reshape(()), [], []
-        keys = mx.random.split(key, logits.shape[0]) if temperature > 0 else None
-        for t in range(logits.shape[0]):
-            score = scores[t] + successors[t] @ (self.predecessor_codebook[previous] * g[t])  # [k]
-            if temperature > 0:
-                probs = mx.softmax(score / temperature)
-                choice = mx.random.categorical(mx.log(probs), key=keys[t])
-                qs.append(mx.zeros((self.successor_codebook.shape[0],)).at[candidates[t]].add(probs))
+        pairs = (self.predecessor_codebook[previous] * g[:, None]) @ self.successor_codebook[candidates].swapaxes(1, 2)
+        scores = mx.take_along_axis(logits, local, axis=-1)[:, None, :] + pairs  # [n, predecessor, candidate]
+        best = mx.argmax(scores, axis=-1) if temperature <= 0 else None  # [n, k]: each slot's pick after each predecessor
+        keys = mx.random.split(key, n) if temperature > 0 else None
+        row, rows, qs = mx.array(0), [], []  # (row: the previous slot's pick; any row of the first slot's)
+        for t in range(n):
+            if best is not None:
+                row = best[t, row]
             else:
-                choice = mx.argmax(score)
-            previous = candidates[t][choice]
-            drafted.append(previous)
-        return mx.stack(drafted), mx.stack(qs) if qs else None
+                probs = mx.softmax(scores[t, row] / temperature)
+                row = mx.random.categorical(mx.log(probs), key=keys[t])
+                qs.append(mx.zeros((self.successor_codebook.shape[0],)).at[candidates[t]].add(probs))
+            rows.append(row)
+        drafted = mx.take_along_axis(candidates, mx.stack(rows)[:, None], axis=-1)[:, 0]
+        return drafted, mx.stack(qs) if qs else None
 
 
 class DFlashDraft(nn.Module):

@@ -1,0 +1,60 @@
+"""Drafts side by side on one target: decode speed, tokens per verify and ms per cycle.
+
+    python tools/draft_costs.py [--model M] [--drafts D1 D2 ...] [--identity-v2] [--num-prompts 8] [--max-tokens 256]
+
+HumanEval chat prompts, greedy, fixed full blocks; each draft runs every prompt once after a
+warm-up of its own, the drafts alternating per prompt (a noisy machine then treats them alike).
+The median speed-up is over the per-prompt ratios to the first draft. ``--identity-v2`` adds, for
+each v1 draft, the DFlash2 draft that proposes exactly what it proposes (identity convolutions, a
+zero successor codebook: ``draft.to_dflash2``, the start of ``train --arch dflash2 --init``), so
+the two differ only in what a v2 cycle computes: the same texts at the same acceptance, and the
+difference in ms per cycle is the v2 draft's own cost on this machine.
+"""
+
+import argparse
+import statistics
+
+from mlx_dflash import generate, load, use_fast_blas
+from mlx_dflash.bench import humaneval_prompts
+from mlx_dflash.draft import to_dflash2
+from mlx_dflash.draft_io import dequantize_draft, is_quantized, load_draft
+from mlx_dflash.target import check_compatible, float_dtype
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+parser.add_argument("--drafts", nargs="+", default=[None], help="default: the draft shipped for the model")
+parser.add_argument("--identity-v2", action="store_true", help="add each v1 draft's identity DFlash2 draft")
+parser.add_argument("--num-prompts", type=int, default=8)
+parser.add_argument("--max-tokens", type=int, default=256)
+args = parser.parse_args()
+
+use_fast_blas()
+model, tokenizer, first = load(args.model, args.drafts[0])
+drafts = [(args.drafts[0] or "shipped", first)]
+for path in args.drafts[1:]:
+    drafts.append((path, load_draft(path, dtype=float_dtype(model))))
+    check_compatible(drafts[-1][1], model)
+if args.identity_v2:
+    for i, (name, draft) in reversed(list(enumerate(drafts))):
+        if draft.config.dflash2 is None:
+            # (the v2 copy needs float weights; a quantized v1 is compared as its float copy too)
+            v1 = dequantize_draft(draft, float_dtype(model)) if is_quantized(draft) else draft
+            drafts[i: i + 1] = [(name, v1), (f"{name} as identity DFlash2", to_dflash2(v1))]
+
+prompts = humaneval_prompts()[: args.num_prompts]
+for _, draft in drafts:
+    generate(model, tokenizer, prompts[0], draft, max_tokens=32, chat=True, trees=False, warmup=True)
+results = [[] for _ in drafts]
+for prompt in prompts:
+    for (_, draft), runs in zip(drafts, results):
+        runs.append(generate(model, tokenizer, prompt, draft, max_tokens=args.max_tokens, chat=True, trees=False))
+baseline = results[0]
+print("| draft | decode tok/s | median speed-up over the first | tokens per verify | ms a cycle |\n|---|---|---|---|---|")
+for (name, _), runs in zip(drafts, results):
+    seconds, cycles = sum(r.decode_seconds for r in runs), sum(r.cycles for r in runs)
+    tokens = sum(len(r.tokens) - 1 for r in runs)
+    ratio = statistics.median(r.decode_tokens_per_sec / b.decode_tokens_per_sec for r, b in zip(runs, baseline))
+    verified = sum(sum(r.acceptance_lengths) for r in runs) / cycles
+    print(f"| {name} | {tokens / seconds:.1f} | {ratio:.2f}x | {verified:.2f} | {1e3 * seconds / cycles:.2f} |")
+same = all(r.tokens == b.tokens for runs in results for r, b in zip(runs, baseline))
+print(f"({len(prompts)} prompts x {args.max_tokens} tokens; every draft the same texts: {same})")
