@@ -12,13 +12,13 @@ difference in ms per cycle is the v2 draft's own cost on this machine.
 """
 
 import argparse
-import statistics
 
 from mlx_dflash import generate, load, use_fast_blas
-from mlx_dflash.bench import humaneval_prompts
+from mlx_dflash.bench import humaneval_prompts, side_by_side_cells
 from mlx_dflash.draft import to_dflash2
-from mlx_dflash.draft_io import dequantize_draft, is_quantized, load_draft
-from mlx_dflash.target import check_compatible, float_dtype
+from mlx_dflash.draft_io import dequantize_draft, is_quantized
+from mlx_dflash.pair import load_pair_draft
+from mlx_dflash.target import float_dtype
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -31,9 +31,7 @@ args = parser.parse_args()
 use_fast_blas()
 model, tokenizer, first = load(args.model, args.drafts[0])
 drafts = [(args.drafts[0] or "shipped", first)]
-for path in args.drafts[1:]:
-    drafts.append((path, load_draft(path, dtype=float_dtype(model))))
-    check_compatible(drafts[-1][1], model)
+drafts += [(path, load_pair_draft(path, model)) for path in args.drafts[1:]]
 if args.identity_v2:
     for i, (name, draft) in reversed(list(enumerate(drafts))):
         if draft.config.dflash2 is None:
@@ -51,10 +49,6 @@ for prompt in prompts:
 baseline = results[0]
 print("| draft | decode tok/s | median speed-up over the first | tokens per verify | ms a cycle |\n|---|---|---|---|---|")
 for (name, _), runs in zip(drafts, results):
-    seconds, cycles = sum(r.decode_seconds for r in runs), sum(r.cycles for r in runs)
-    tokens = sum(len(r.tokens) - 1 for r in runs)
-    ratio = statistics.median(r.decode_tokens_per_sec / b.decode_tokens_per_sec for r, b in zip(runs, baseline))
-    verified = sum(sum(r.acceptance_lengths) for r in runs) / cycles
-    print(f"| {name} | {tokens / seconds:.1f} | {ratio:.2f}x | {verified:.2f} | {1e3 * seconds / cycles:.2f} |")
+    print(f"| {name} | {side_by_side_cells(runs, baseline)} |")
 same = all(r.tokens == b.tokens for runs in results for r, b in zip(runs, baseline))
 print(f"({len(prompts)} prompts x {args.max_tokens} tokens; every draft the same texts: {same})")

@@ -12,10 +12,9 @@ next cycle is queued.
 """
 
 import argparse
-import statistics
 
 from mlx_dflash import generate, load, use_fast_blas
-from mlx_dflash.bench import humaneval_prompts
+from mlx_dflash.bench import humaneval_prompts, side_by_side_cells
 from mlx_dflash.options import EngineOptions
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,11 +43,7 @@ for prompt in prompts:
 chain = results["chain"]
 print("| way | decode tok/s | median speed-up over the chain | tokens per verify | ms a cycle |\n|---|---|---|---|---|")
 for way, runs in results.items():
-    seconds, cycles = sum(r.decode_seconds for r in runs), sum(r.cycles for r in runs)
-    tokens = sum(len(r.tokens) - 1 for r in runs)
-    ratio = statistics.median(r.decode_tokens_per_sec / c.decode_tokens_per_sec for r, c in zip(runs, chain))
-    verified = sum(sum(r.acceptance_lengths) for r in runs) / cycles
-    print(f"| {way} | {tokens / seconds:.1f} | {ratio:.2f}x | {verified:.2f} | {1e3 * seconds / cycles:.2f} |")
+    print(f"| {way} | {side_by_side_cells(runs, chain)} |")
 for budget in args.budgets:
     same = all(a.tokens == b.tokens for a, b in zip(results[f"tree {budget}, device"], results[f"tree {budget}, host"]))
     print(f"(tree {budget}: both ways gave the same tokens: {same})")

@@ -163,6 +163,16 @@ def summarize(runs: list[Run], block_size: int) -> dict:
     return out
 
 
+def side_by_side_cells(runs: Sequence, baseline: Sequence) -> str:
+    """Table cells for generations (``generate``'s results, one per prompt) beside ``baseline``'s
+    on the same prompts: decode tok/s | median per-prompt speed-up | tokens per verify | ms a cycle."""
+    seconds, cycles = sum(r.decode_seconds for r in runs), sum(r.cycles for r in runs)
+    tokens = sum(len(r.tokens) - 1 for r in runs)
+    ratio = statistics.median(r.decode_tokens_per_sec / b.decode_tokens_per_sec for r, b in zip(runs, baseline))
+    verified = sum(sum(r.acceptance_lengths) for r in runs) / cycles
+    return f"{tokens / seconds:.1f} | {ratio:.2f}x | {verified:.2f} | {1e3 * seconds / cycles:.2f}"
+
+
 def _rate(per_prompt: dict[int, tuple[int, float]], excluded: Sequence[int] = ()) -> float:
     """Decode tokens/s over the prompts not ``excluded``: total tokens over total seconds."""
     kept = [work for p, work in per_prompt.items() if p not in excluded]

@@ -23,6 +23,13 @@ def set_draft_window(draft: DFlashDraft, window: Optional[int]) -> None:
     draft.config.context_window = window or None
 
 
+def load_pair_draft(path: str, target: nn.Module) -> DFlashDraft:
+    """The draft at ``path`` in ``target``'s float dtype, checked against it."""
+    draft = load_draft(path, dtype=float_dtype(target))
+    check_compatible(draft, target)
+    return draft
+
+
 def load(model: Optional[str] = None, draft: Optional[str] = None, draft_quant: Optional[int] = None,
          draft_window: Optional[int] = None, group: Optional[mx.distributed.Group] = None
          ) -> tuple[nn.Module, Any, DFlashDraft]:
@@ -41,8 +48,7 @@ def load(model: Optional[str] = None, draft: Optional[str] = None, draft_quant: 
     name = model or DEFAULT_MODEL
     draft_path = draft or shipped_draft(name)  # (before the target: no download for a pair that cannot run)
     target, tokenizer = load_target(name, group)
-    pair_draft = load_draft(draft_path, dtype=float_dtype(target))
-    check_compatible(pair_draft, target)
+    pair_draft = load_pair_draft(draft_path, target)
     set_draft_window(pair_draft, draft_window)
     if draft_quant:
         quantize_draft(pair_draft, draft_quant)
