@@ -110,6 +110,7 @@ def test_a_model_without_a_shipped_draft_fails_before_any_download(pair, home, c
     (["--save-every", "-1"], "--save-every must be at least 0"),
     (["--time-budget", "-5"], "--time-budget must be a positive number"),
     (["--time-budget", "nan"], "--time-budget must be a positive number"),
+    (["--kernel-lr-scale", "2"], "--kernel-lr-scale must be in"),
     (["--seed", "-1"], "--seed must be in 0.."),
     (["--intermediate-size", "0"], "--intermediate-size must be at least 1"),
 ])

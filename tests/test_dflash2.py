@@ -264,6 +264,18 @@ def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
                   init=str(v1_dir))
     assert load_draft(str(tuned)).config.dflash2 is not None
 
+    # --kernel-lr-scale 0: the kernel projections keep their identity start while the rest learns,
+    # and the two optimizers' state survives a resume.
+    frozen = dict(base, kernel_lr_scale=0.0, arch="dflash2", save_every=2)
+    out = tmp_path / "frozen"
+    train(model, tokenizer, [str(data)], str(out), TrainConfig(**frozen, steps=2), init=str(v1_dir))
+    resumed = train(model, tokenizer, [str(data)], str(out), TrainConfig(**frozen, steps=4), resume=True)
+    weights = dict(tree_flatten(load_draft(str(resumed)).parameters()))
+    start = dict(tree_flatten(load_draft(str(v1_dir)).parameters()))
+    projections = [k for k in weights if "kernel_projection" in k]
+    assert projections and all(mx.abs(weights[k]).max().item() == 0 for k in projections)
+    assert any(not mx.array_equal(weights[k], start[k]).item() for k in start if k in weights)
+
 
 def test_a_quantized_v2_draft_with_a_draft_vocabulary_keeps_greedy_output(qwen3_pair, tmp_path):
     """8-bit storage (expanded at load off Apple GPUs) and a draft vocabulary: the selector walks

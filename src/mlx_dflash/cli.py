@@ -343,6 +343,9 @@ def _add_train(sub) -> None:
                         "draft is its identity start)")
     p.add_argument("--selector-weight", type=float, default=d.selector_weight,
                    help="dflash2: the selector loss's weight beside the block loss")
+    p.add_argument("--kernel-lr-scale", type=float, default=d.kernel_lr_scale,
+                   help="dflash2: the convolutions' kernel projections learn at this fraction of --lr "
+                        "(below 1 keeps a fine-tune from a v1 draft close to its start)")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="dtype of the training passes (weights stay float32); default: the target's")
     p.set_defaults(func=_run_train)
@@ -373,6 +376,8 @@ def _run_train(args) -> None:
         raise DFlashError(f"--lr must be in (0, 1), got {args.lr}")
     if not 0 <= args.selector_weight < 1e6:
         raise DFlashError(f"--selector-weight must be a non-negative number, got {args.selector_weight}")
+    if not 0 <= args.kernel_lr_scale <= 1:
+        raise DFlashError(f"--kernel-lr-scale must be in [0, 1], got {args.kernel_lr_scale}")
     cfg = TrainConfig(
         layers=args.layers, intermediate_size=args.intermediate_size, block_size=args.block_size,
         target_layer_ids=args.target_layers,
@@ -380,7 +385,7 @@ def _run_train(args) -> None:
         anchors=args.anchors, max_len=args.max_len, lr=args.lr, eval_every=args.eval_every,
         eval_prompts=args.eval_prompts, held_out_from=args.held_out_from, save_every=args.save_every,
         seed=args.seed, time_budget=args.time_budget, draft_vocab=args.draft_vocab, compute_dtype=args.compute_dtype,
-        arch=args.arch, selector_weight=args.selector_weight,
+        arch=args.arch, selector_weight=args.selector_weight, kernel_lr_scale=args.kernel_lr_scale,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume, init=args.init))

@@ -68,6 +68,7 @@ class TrainConfig:
     compute_dtype: Optional[str] = None  # the passes' dtype; default: the target's (master weights stay float32)
     arch: str = "dflash"  # or "dflash2": convolutions and a candidate selector (a fine-tune of a v1 draft with init)
     selector_weight: float = 1.0  # DFlash2: the selector loss's weight beside the block loss
+    kernel_lr_scale: float = 1.0  # DFlash2: the convolutions' kernel projections learn at this fraction of lr
     history: list = field(default_factory=list)  # filled while training; saved with checkpoints
 
     def loss_gamma(self) -> float:
@@ -300,6 +301,18 @@ def check_in_sync(draft: DFlashDraft, world: mx.distributed.Group) -> None:
         raise DFlashError(f"data-parallel training diverged: weight sums per process {every.tolist()}")
 
 
+def make_optimizer(cfg: TrainConfig, schedule: Callable[[mx.array], mx.array]) -> optim.Optimizer:
+    """AdamW on ``schedule``; a DFlash2 draft's kernel projections on ``kernel_lr_scale`` times it.
+    Started from zero (the identity of a v1 draft), Adam's first steps move all of a projection's
+    weights at once, which throws a trained draft's proposals off before the rest can adapt."""
+    adamw = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
+    if cfg.arch != "dflash2" or cfg.kernel_lr_scale == 1.0:
+        return adamw
+    scale = cfg.kernel_lr_scale
+    slow = optim.AdamW(learning_rate=lambda step: scale * schedule(step), weight_decay=cfg.weight_decay)
+    return optim.MultiOptimizer([slow, adamw], [lambda path, _: "kernel_projection" in path])
+
+
 def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: TrainConfig, resume: bool = False,
           init: Optional[str] = None) -> Path:
     """Train a draft for ``target_model`` on the sequences in ``data_dirs``; returns the draft folder.
@@ -369,7 +382,7 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         cosine = cfg.lr * (0.05 + 0.95 * 0.5 * (1 + mx.cos(math.pi * progress)))
         return mx.where(s < warmup, cfg.lr * s / warmup, cosine)
 
-    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(cfg, schedule)
     if start_step:
         optimizer.init(draft.trainable_parameters())
         saved = mx.load(str(out / "checkpoint" / "optimizer.safetensors"))
