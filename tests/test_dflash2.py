@@ -11,7 +11,7 @@ import pytest
 from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import DFlashError, EngineOptions, create_random_draft, generate, load_draft, save_draft
-from mlx_dflash.draft import CandidateSelector, block_conv
+from mlx_dflash.draft import CandidateSelector, block_conv, follow_picks
 from mlx_dflash.draft_cache import DraftContextCache, block_mask
 from mlx_dflash.draft_config import DFlash2Config, DraftConfig
 from mlx_dflash.proposer import DFlashProposer
@@ -81,6 +81,16 @@ def test_selector_walk_is_the_brute_force_one(with_ids):
         previous = int(ids[best]) if with_ids else int(best)
         expected.append(previous)
     assert np.array(got).tolist() == expected
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 15, 16])
+def test_following_picks_by_pointer_doubling_is_the_slot_by_slot_walk(n):
+    picks = np.random.default_rng(n).integers(0, 5, size=(n, 5))
+    row, expected = 0, []
+    for t in range(n):
+        row = int(picks[t, row])
+        expected.append(row)
+    assert np.array(follow_picks(mx.array(picks))).tolist() == expected
 
 
 @pytest.fixture(scope="module")

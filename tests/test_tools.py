@@ -148,6 +148,8 @@ def test_draft_costs(pair):
     rows = [line.split(" | ") for line in out.splitlines()[2:6]]
     assert [row[0] for row in rows] == [f"| {draft}", f"| {draft} as identity DFlash2"] * 2
     assert len({row[3] for row in rows}) == 1, out  # tokens per verify
+    v1_ops, v2_ops = (int(row[5].rstrip(" |")) for row in rows[:2])
+    assert 0 < v1_ops < v2_ops, out  # (the convolutions and the selector: more operations a draft)
     assert out.splitlines()[-1].endswith("every draft the same texts: True)")
 
 

@@ -129,13 +129,15 @@ def block_conv(y: mx.array, deltas: mx.array, base: mx.array, group_size: int) -
     (base[tap, c] + deltas[t, tap, c // group_size]) * y[t - tap, c], with y = 0 before the
     block's start (it never reaches into the context). deltas: [B, T, taps, H / group_size]."""
     B, T, H = y.shape
-    taps = base.shape[0]
-    kernel = (base.reshape(taps, -1, group_size) + deltas[..., None]).reshape(B, T, taps, H)
-    out = kernel[..., 0, :] * y
-    for tap in range(1, taps):
-        shifted = mx.pad(y[:, : max(T - tap, 0)], [(0, 0), (min(tap, T), 0), (0, 0)])
-        out = out + kernel[..., tap, :] * shifted
-    return out
+    # Per channel group throughout ([B, T, groups, group_size]), so that the kernels' sums and the
+    # products fuse into one kernel beside each shift (no reshape between them).
+    grouped = y.reshape(B, T, -1, group_size)
+    base = base.reshape(base.shape[0], -1, group_size)
+    out = (base[0, ...] + deltas[:, :, 0, :, None]) * grouped
+    for tap in range(1, base.shape[0]):
+        shifted = mx.pad(grouped[:, : max(T - tap, 0)], [(0, 0), (min(tap, T), 0), (0, 0), (0, 0)])
+        out = out + (base[tap, ...] + deltas[:, :, tap, :, None]) * shifted
+    return out.reshape(B, T, H)
 
 
 class SublayerConv(nn.Module):
@@ -156,7 +158,8 @@ class SublayerConv(nn.Module):
         return self.kernel_projection(h).reshape(B, T, 2, self.taps, -1)
 
     def __call__(self, y: mx.array, deltas: mx.array, which: int) -> mx.array:
-        return block_conv(y, deltas[:, :, which], self.base_kernel[which], self.group_size)
+        # (``[which, ...]`` is a view; a bare ``[which]`` on the first axis is a gather, a kernel on GPUs)
+        return block_conv(y, deltas[:, :, which], self.base_kernel[which, ...], self.group_size)
 
 
 class DraftLayer(nn.Module):
@@ -229,19 +232,29 @@ class CandidateSelector(nn.Module):
         g = self.hidden_projection(hidden)  # [n, rank]
         pairs = (self.predecessor_codebook[previous] * g[:, None]) @ self.successor_codebook[candidates].swapaxes(1, 2)
         scores = mx.take_along_axis(logits, local, axis=-1)[:, None, :] + pairs  # [n, predecessor, candidate]
-        best = mx.argmax(scores, axis=-1) if temperature <= 0 else None  # [n, k]: each slot's pick after each predecessor
-        keys = mx.random.split(key, n) if temperature > 0 else None
-        row, rows, qs = mx.array(0), [], []  # (row: the previous slot's pick; any row of the first slot's)
+        if temperature <= 0:
+            rows = follow_picks(mx.argmax(scores, axis=-1))
+            return mx.take_along_axis(candidates, rows[:, None], axis=-1)[:, 0], None
+        keys = mx.random.split(key, n)
+        row, picks, qs = mx.array(0), [], []  # (row: the previous slot's pick; any row of the first slot's)
         for t in range(n):
-            if best is not None:
-                row = best[t, row]
-            else:
-                probs = mx.softmax(scores[t, row] / temperature)
-                row = mx.random.categorical(mx.log(probs), key=keys[t])
-                qs.append(mx.zeros((self.successor_codebook.shape[0],)).at[candidates[t]].add(probs))
-            rows.append(row)
-        drafted = mx.take_along_axis(candidates, mx.stack(rows)[:, None], axis=-1)[:, 0]
-        return drafted, mx.stack(qs) if qs else None
+            probs = mx.softmax(scores[t, row] / temperature)
+            row = mx.random.categorical(mx.log(probs), key=keys[t])
+            qs.append(mx.zeros((self.successor_codebook.shape[0],)).at[candidates[t]].add(probs))
+            picks.append(row)
+        drafted = mx.take_along_axis(candidates, mx.stack(picks)[:, None], axis=-1)[:, 0]
+        return drafted, mx.stack(qs)
+
+
+def follow_picks(picks: mx.array) -> mx.array:
+    """The rows [n] of a greedy walk in which slot t takes ``picks[t, row of slot t - 1]`` (slot 0
+    after row 0). By pointer doubling: each round composes every slot's map with the one ``step``
+    slots before it, so log2(n) gathers rather than one lookup per slot (each a kernel on a GPU)."""
+    step = 1
+    while step < picks.shape[0]:
+        picks = mx.concatenate([picks[:step], mx.take_along_axis(picks[step:], picks[:-step], axis=1)])
+        step *= 2
+    return picks[:, 0]
 
 
 class DFlashDraft(nn.Module):
