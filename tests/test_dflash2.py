@@ -35,8 +35,9 @@ def trained_looking(draft, seed: int = 1):
             conv.kernel_projection.weight = mx.array(rng.normal(0, 0.1, conv.kernel_projection.weight.shape),
                                                      mx.float32)
     selector = draft.candidate_selector
-    selector.successor_codebook = mx.array(rng.normal(0, 1.0, selector.successor_codebook.shape), mx.float32)
-    selector.predecessor_codebook = mx.array(rng.normal(0, 1.0, selector.predecessor_codebook.shape), mx.float32)
+    selector.successor_codebook.weight = mx.array(rng.normal(0, 1.0, selector.successor_codebook.weight.shape), mx.float32)
+    selector.predecessor_codebook.weight = mx.array(rng.normal(0, 1.0, selector.predecessor_codebook.weight.shape),
+                                                    mx.float32)
     mx.eval(draft.parameters())
     return draft
 
@@ -64,15 +65,15 @@ def test_selector_walk_is_the_brute_force_one(with_ids):
     rng = np.random.default_rng(7)
     vocab, rank, hidden, n, k = 30, 6, 12, 5, 4
     selector = CandidateSelector(hidden, vocab, rank)
-    selector.predecessor_codebook = mx.array(rng.normal(size=(vocab, rank)), mx.float32)
-    selector.successor_codebook = mx.array(rng.normal(size=(vocab, rank)), mx.float32)
+    selector.predecessor_codebook.weight = mx.array(rng.normal(size=(vocab, rank)), mx.float32)
+    selector.successor_codebook.weight = mx.array(rng.normal(size=(vocab, rank)), mx.float32)
     h = rng.normal(size=(n, hidden)).astype(np.float32)
     ids = np.array(rng.choice(vocab, size=12, replace=False)) if with_ids else None
     logits = rng.normal(size=(n, 12 if with_ids else vocab)).astype(np.float32) * 3
     got, q = selector.walk(mx.array(h), mx.array(logits), mx.array([3]), k, None if ids is None else mx.array(ids))
     assert q is None  # (greedy)
     g = np.array(selector.hidden_projection(mx.array(h)))
-    pred, succ = np.array(selector.predecessor_codebook), np.array(selector.successor_codebook)
+    pred, succ = np.array(selector.predecessor_codebook.weight), np.array(selector.successor_codebook.weight)
     previous, expected = 3, []
     for t in range(n):
         top = np.argsort(-logits[t])[:k]  # the head's top-k (local indices)
@@ -220,7 +221,7 @@ def test_a_sampled_walk_draws_from_the_q_it_reports():
     drawn token is one of them."""
     rng = np.random.default_rng(3)
     selector = CandidateSelector(8, 20, 4)
-    selector.successor_codebook = mx.array(rng.normal(size=(20, 4)), mx.float32)
+    selector.successor_codebook.weight = mx.array(rng.normal(size=(20, 4)), mx.float32)
     logits = mx.array(rng.normal(size=(3, 20)), mx.float32)
     drafted, q = selector.walk(mx.array(rng.normal(size=(3, 8)), mx.float32), logits, mx.array([1]), 5, None, 0.8,
                                mx.random.key(0))
@@ -268,7 +269,7 @@ def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
     trained = load_draft(str(v2_dir))
     assert trained.config.dflash2 is not None
-    assert mx.abs(trained.candidate_selector.successor_codebook).max().item() > 0  # (the selector loss trains it)
+    assert mx.abs(trained.candidate_selector.successor_codebook.weight).max().item() > 0  # (the selector loss trains it)
     v1_dir = train(model, tokenizer, [str(data)], str(tmp_path / "v1"), TrainConfig(**base, layers=1, steps=4))
     tuned = train(model, tokenizer, [str(data)], str(tmp_path / "tuned"), TrainConfig(**base, steps=1, arch="dflash2"),
                   init=str(v1_dir))
@@ -287,17 +288,31 @@ def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
     assert any(not mx.array_equal(weights[k], start[k]).item() for k in start if k in weights)
 
 
-def test_a_quantized_v2_draft_with_a_draft_vocabulary_keeps_greedy_output(qwen3_pair, tmp_path):
+@pytest.mark.parametrize("rank", [8, 64])
+def test_a_quantized_v2_draft_with_a_draft_vocabulary_keeps_greedy_output(qwen3_pair, tmp_path, rank):
     """8-bit storage (expanded at load off Apple GPUs) and a draft vocabulary: the selector walks
-    the vocabulary head's top-k, mapped back to token ids."""
-    from mlx_dflash.draft_io import quantize_draft
+    the vocabulary head's top-k, mapped back to token ids. Codebooks of whole quantization groups
+    (rank 64) are stored in 8 bits too, narrower ones in float."""
+    from mlx_dflash.draft_io import dequantize_draft, quantize_draft
 
     model, tokenizer, prompt, reference = qwen3_pair
+    v2 = DFlash2Config(**{**vars(V2), "selector_rank": rank})
     draft = trained_looking(create_random_draft(_config(model), num_layers=1, block_size=8, mask_token_id=MASK_ID,
-                                                dflash2=V2))
+                                                dflash2=v2))
     draft.config.draft_vocab = sorted(set(reference) | set(range(0, VOCAB_SIZE, 3)))
     quantize_draft(draft, 8)
-    loaded = load_draft(str(save_draft(draft, tmp_path / "q8")), dtype=mx.float32)
-    assert loaded.config.dflash2 == V2 and loaded.config.draft_vocab == draft.config.draft_vocab
+    path = save_draft(draft, tmp_path / "q8")
+    stored = mx.load(str(path / "model.safetensors"))
+    assert ("candidate_selector.successor_codebook.scales" in stored) == (rank == 64)
+    assert ("candidate_selector.successor_codebook" in stored) == (rank == 8)  # (the published name)
+    kept = load_draft(str(path))  # (quantized, as on Apple GPUs): the same drafts as before saving
+    first = mx.array([reference[0]])
+    hidden, logits = mx.random.normal((7, draft.config.hidden_size)), mx.random.normal((7, VOCAB_SIZE))
+    ours, theirs = (d.candidate_selector.walk(hidden, logits, first, 4)[0] for d in (draft, kept))
+    assert mx.array_equal(ours, theirs).item()
+    plain = mx.load(str(save_draft(dequantize_draft(kept, mx.float32), tmp_path / "plain") / "model.safetensors"))
+    assert "candidate_selector.successor_codebook" in plain  # (dequantized: the published name again)
+    loaded = load_draft(str(path), dtype=mx.float32)
+    assert loaded.config.dflash2 == v2 and loaded.config.draft_vocab == draft.config.draft_vocab
     result = generate(model, tokenizer, prompt, loaded, max_tokens=MAX_TOKENS)
     assert result.tokens == reference[:MAX_TOKENS]

@@ -114,7 +114,7 @@ def test_emitted_distribution_with_a_dflash2_draft(setup):
     model, _, draft, prompt = setup
     v2 = create_random_draft(dict(vars(model.args)), num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5,
                              dflash2=DFlash2Config(conv_group_size=16, selector_rank=8, selector_top_k=4))
-    v2.candidate_selector.successor_codebook = mx.random.normal((VOCAB, 8), key=mx.random.key(1))
+    v2.candidate_selector.successor_codebook.weight = mx.random.normal((VOCAB, 8), key=mx.random.key(1))
     params = SamplingParams(temp=1.0)
     p2, p3 = exact_marginals(model, prompt, params)
     counts = sampled_marginals(model, v2, prompt, params)

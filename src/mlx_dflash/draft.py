@@ -209,9 +209,13 @@ class CandidateSelector(nn.Module):
 
     def __init__(self, hidden: int, vocab: int, rank: int):
         super().__init__()
+        self.vocab = vocab
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
-        self.predecessor_codebook = mx.random.normal((vocab, rank)) * 0.02
-        self.successor_codebook = mx.zeros((vocab, rank))
+        # (tables read by rows: embeddings, so that a quantized draft stores them in 4/8 bits too)
+        self.predecessor_codebook = nn.Embedding(vocab, rank)
+        self.predecessor_codebook.weight = mx.random.normal((vocab, rank)) * 0.02
+        self.successor_codebook = nn.Embedding(vocab, rank)
+        self.successor_codebook.weight = mx.zeros((vocab, rank))
 
     def walk(self, hidden: mx.array, logits: mx.array, first_token: mx.array, top_k: int,
              ids: Optional[mx.array] = None, temperature: float = 0.0, key: Optional[mx.array] = None
@@ -230,7 +234,7 @@ class CandidateSelector(nn.Module):
         # the walk below is a chain of lookups rather than a product per slot.
         previous = mx.concatenate([mx.broadcast_to(first_token.reshape(1, 1), (1, k)), candidates[:-1]])
         g = self.hidden_projection(hidden)  # [n, rank]
-        pairs = (self.predecessor_codebook[previous] * g[:, None]) @ self.successor_codebook[candidates].swapaxes(1, 2)
+        pairs = (self.predecessor_codebook(previous) * g[:, None]) @ self.successor_codebook(candidates).swapaxes(1, 2)
         scores = mx.take_along_axis(logits, local, axis=-1)[:, None, :] + pairs  # [n, predecessor, candidate]
         if temperature <= 0:
             rows = follow_picks(mx.argmax(scores, axis=-1))
@@ -240,7 +244,7 @@ class CandidateSelector(nn.Module):
         for t in range(n):
             probs = mx.softmax(scores[t, row] / temperature)
             row = mx.random.categorical(mx.log(probs), key=keys[t])
-            qs.append(mx.zeros((self.successor_codebook.shape[0],)).at[candidates[t]].add(probs))
+            qs.append(mx.zeros((self.vocab,)).at[candidates[t]].add(probs))
             picks.append(row)
         drafted = mx.take_along_axis(candidates, mx.stack(picks)[:, None], axis=-1)[:, 0]
         return drafted, mx.stack(qs)

@@ -25,6 +25,19 @@ WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"  # names the shards of a draft saved in several files
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 MAX_FILE_BYTES = 20_000_000  # larger drafts are saved in shards (a package keeps each file small)
+CODEBOOK = "_codebook"  # DFlash2's selector tables: published with no ``.weight`` suffix (unless quantized, ours)
+
+
+def _from_disk(name: str) -> str:
+    return f"{name}.weight" if name.endswith(CODEBOOK) else name
+
+
+def _to_disk(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The published names: a float codebook's ``X_codebook.weight`` is stored as ``X_codebook``."""
+    def name(key: str) -> str:
+        table = key.removesuffix(".weight")
+        return table if table.endswith(CODEBOOK) and f"{table}.scales" not in weights else key
+    return {name(key): value for key, value in weights.items()}
 
 
 def _resolve_path(path_or_repo: str) -> Path:
@@ -60,7 +73,7 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
     weights: dict[str, mx.array] = {}
     for file in weight_files:
         try:
-            weights.update(mx.load(str(file)))
+            weights.update((_from_disk(name), value) for name, value in mx.load(str(file)).items())
         except Exception as exc:
             raise DFlashError(f"cannot read draft weights {file}: {exc}") from None
     draft = DFlashDraft(config)
@@ -115,7 +128,7 @@ def dequantize_draft(draft: DFlashDraft, dtype: mx.Dtype) -> DFlashDraft:
     class of row counts, a stall of many seconds mid-generation (docs/performance.md)."""
     weights = dict(tree_flatten(draft.parameters()))
     for name, module in draft.named_modules():
-        if isinstance(module, nn.QuantizedLinear):
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             for part in ("weight", "scales", "biases"):
                 weights.pop(f"{name}.{part}", None)
             weights[f"{name}.weight"] = mx.dequantize(module.weight, module.scales, module.biases,
@@ -133,10 +146,15 @@ def is_quantized(draft: DFlashDraft) -> bool:
 
 
 def quantize_draft(draft: DFlashDraft, bits: int, group_size: int = 64) -> None:
-    """Quantize the draft's linear layers in place (its norms stay in float)."""
+    """Quantize the draft's linear layers in place, and a DFlash2 selector's codebooks where
+    their rank is whole groups (its norms and convolutions' base kernels stay in float)."""
     if is_quantized(draft):
         raise DFlashError("this draft is already quantized")
-    nn.quantize(draft, group_size=group_size, bits=bits)
+
+    def quantizable(_, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear) or (
+            isinstance(module, nn.Embedding) and module.weight.shape[-1] % group_size == 0)
+    nn.quantize(draft, group_size=group_size, bits=bits, class_predicate=quantizable)
     draft.config.extra["quantization"] = {"group_size": group_size, "bits": bits}
 
 
@@ -153,7 +171,7 @@ def save_draft(draft: DFlashDraft, path: str | Path, max_file_bytes: int = MAX_F
     # over the draft it was loaded from) never leaves a half-written file
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as tmp:
         staged = Path(tmp)
-        weights = dict(tree_flatten(draft.parameters()))
+        weights = _to_disk(dict(tree_flatten(draft.parameters())))
         shards = _shards(weights, max_file_bytes)
         names = [WEIGHTS_FILE] if len(shards) == 1 else [
             f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]

@@ -187,8 +187,8 @@ def selector_loss(draft: DFlashDraft, hidden: mx.array, logits: mx.array, batch:
     local = mx.stop_gradient(mx.argpartition(-logits, k - 1, axis=-1)[..., :k])  # [B, A, n, k]
     candidates = local if head_ids is None else head_ids[local]
     previous, true = batch["truth"][..., :-1], batch["truth"][..., 1:]  # [B, A, n]: global ids
-    query = selector.predecessor_codebook[previous] * selector.hidden_projection(hidden)  # [B, A, n, rank]
-    scores = mx.take_along_axis(logits, local, axis=-1) + (selector.successor_codebook[candidates]
+    query = selector.predecessor_codebook(previous) * selector.hidden_projection(hidden)  # [B, A, n, rank]
+    scores = mx.take_along_axis(logits, local, axis=-1) + (selector.successor_codebook(candidates)
                                                            @ query[..., None])[..., 0]
     hit = candidates == true[..., None]
     counted = hit.any(axis=-1) & batch["valid"]
