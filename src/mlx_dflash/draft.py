@@ -231,7 +231,7 @@ class CandidateSelector(nn.Module):
         candidates = local if ids is None else ids[local]  # [n, k]
         # Every slot's score for each of its candidates after each token that can precede it (the
         # previous slot's candidates; the first slot's: first_token), in one batched product, so
-        # the walk below is a chain of lookups rather than a product per slot.
+        # the walk below only looks scores up rather than computing a product per slot.
         previous = mx.concatenate([mx.broadcast_to(first_token.reshape(1, 1), (1, k)), candidates[:-1]])
         g = self.hidden_projection(hidden)  # [n, rank]
         pairs = (self.predecessor_codebook(previous) * g[:, None]) @ self.successor_codebook(candidates).swapaxes(1, 2)
