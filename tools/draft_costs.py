@@ -9,8 +9,9 @@ each v1 draft, the DFlash2 draft that proposes exactly what it proposes (identit
 zero successor codebook: ``draft.to_dflash2``, the start of ``train --arch dflash2 --init``), so
 the two differ only in what a v2 cycle computes: the same texts at the same acceptance, and the
 difference in ms per cycle is the v2 draft's own cost on this machine. "Ops a draft" counts the
-operations other than views in one greedy draft of a full block, as MLX's graph holds them: on a
-GPU, where a small model's cycle is bound by launches, each is a kernel.
+operations other than views in one greedy draft of a full block, as MLX's graph holds them on the
+machine it runs on: on a GPU, where a small model's cycle is bound by launches, each is a kernel
+(on the CPU MLX's fused norms and rotary embeddings count as their parts; compare on one machine).
 """
 
 import argparse
