@@ -230,6 +230,37 @@ def test_a_sampled_walk_draws_from_the_q_it_reports():
     assert all(q[t, d] > 0 for t, d in enumerate(np.array(drafted)))
 
 
+def test_sampled_walks_follow_the_chain_of_selector_distributions():
+    """Many sampled walks of two slots: the frequency of each (first, second) pair is
+    softmax(S0 / T)[first] x softmax(S1 | first / T)[second] (the brute-force scores), and each
+    walk's reported q rows are those two distributions."""
+    rng = np.random.default_rng(5)
+    vocab, rank, hidden, k, temperature, draws = 6, 3, 4, 3, 0.8, 4000
+    selector = CandidateSelector(hidden, vocab, rank)
+    selector.predecessor_codebook.weight = mx.array(rng.normal(size=(vocab, rank)), mx.float32)
+    selector.successor_codebook.weight = mx.array(rng.normal(size=(vocab, rank)), mx.float32)
+    h, logits = rng.normal(size=(2, hidden)).astype(np.float32), rng.normal(size=(2, vocab)).astype(np.float32)
+    g = np.array(selector.hidden_projection(mx.array(h)))
+    pred, succ = np.array(selector.predecessor_codebook.weight), np.array(selector.successor_codebook.weight)
+
+    def distribution(t: int, previous: int) -> np.ndarray:
+        top = np.argsort(-logits[t])[:k]
+        scores = np.array([logits[t][j] + np.sum(pred[previous] * g[t] * succ[j]) for j in top]) / temperature
+        p = np.zeros(vocab)
+        p[top] = np.exp(scores - scores.max()) / np.exp(scores - scores.max()).sum()
+        return p
+
+    expected = np.outer(distribution(0, 2), np.ones(vocab))
+    expected *= np.stack([distribution(1, a) for a in range(vocab)])
+    counts = np.zeros((vocab, vocab))
+    for key in mx.random.split(mx.random.key(0), draws):
+        drafted, q = selector.walk(mx.array(h), mx.array(logits), mx.array([2]), k, None, temperature, key)
+        first, second = np.array(drafted).tolist()
+        counts[first, second] += 1
+    assert np.allclose(np.array(q), [distribution(0, 2), distribution(1, first)], atol=1e-5)
+    assert np.abs(counts / draws - expected).max() < 0.03, (counts / draws, expected)
+
+
 def test_training_forward_of_blocks_equals_the_decode_pass(qwen3_pair):
     """The training forward (many anchored blocks in one pass, each block's convolutions from
     its own start) gives each block what the decode pass gives it over the same context."""

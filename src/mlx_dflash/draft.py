@@ -237,17 +237,20 @@ class CandidateSelector(nn.Module):
         pairs = (self.predecessor_codebook(previous) * g[:, None]) @ self.successor_codebook(candidates).swapaxes(1, 2)
         scores = mx.take_along_axis(logits, local, axis=-1)[:, None, :] + pairs  # [n, predecessor, candidate]
         if temperature <= 0:
-            rows = follow_picks(mx.argmax(scores, axis=-1))
-            return mx.take_along_axis(candidates, rows[:, None], axis=-1)[:, 0], None
-        keys = mx.random.split(key, n)
-        row, picks, qs = mx.array(0), [], []  # (row: the previous slot's pick; any row of the first slot's)
-        for t in range(n):
-            probs = mx.softmax(scores[t, row] / temperature)
-            row = mx.random.categorical(mx.log(probs), key=keys[t])
-            qs.append(mx.zeros((self.vocab,)).at[candidates[t]].add(probs))
-            picks.append(row)
-        drafted = mx.take_along_axis(candidates, mx.stack(picks)[:, None], axis=-1)[:, 0]
-        return drafted, mx.stack(qs)
+            picks = mx.argmax(scores, axis=-1)  # [n, k]: each slot's pick after each predecessor
+        else:
+            # Gumbel-max with one noise draw a slot, shared by its predecessors: only one of them is
+            # ever realised, so each slot's pick is a draw from softmax(S / T) after it.
+            noise = mx.random.gumbel((n, 1, k), key=key)
+            picks = mx.argmax(scores.astype(mx.float32) / temperature + noise, axis=-1)
+        rows = follow_picks(picks)
+        drafted = mx.take_along_axis(candidates, rows[:, None], axis=-1)[:, 0]
+        if temperature <= 0:
+            return drafted, None
+        before = mx.concatenate([mx.zeros((1,), rows.dtype), rows[:-1]])  # each slot's predecessor row
+        realised = mx.take_along_axis(scores, before[:, None, None], axis=1)[:, 0]  # [n, k]
+        probs = mx.softmax(realised.astype(mx.float32) / temperature, axis=-1)
+        return drafted, mx.put_along_axis(mx.zeros((n, self.vocab)), candidates, probs, axis=-1)
 
 
 def follow_picks(picks: mx.array) -> mx.array:
