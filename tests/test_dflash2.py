@@ -11,7 +11,7 @@ import pytest
 from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import DFlashError, EngineOptions, create_random_draft, generate, load_draft, save_draft
-from mlx_dflash.draft import CandidateSelector, block_conv, follow_picks
+from mlx_dflash.draft import CandidateSelector, block_conv, follow_picks, top_k_columns
 from mlx_dflash.draft_cache import DraftContextCache, block_mask
 from mlx_dflash.draft_config import DFlash2Config, DraftConfig
 from mlx_dflash.proposer import DFlashProposer
@@ -82,6 +82,15 @@ def test_selector_walk_is_the_brute_force_one(with_ids):
         previous = int(ids[best]) if with_ids else int(best)
         expected.append(previous)
     assert np.array(got).tolist() == expected
+
+
+@pytest.mark.parametrize("width", [8192, 1000, 64])
+def test_top_k_columns_are_the_k_largest(width):
+    """Two stages on the CPU (width 8,192: the 16 groups of 16 with the largest maxima, then their
+    top 16), one argpartition where a row is not whole groups (1,000) or too narrow (64)."""
+    logits = np.random.default_rng(width).normal(size=(15, width)).astype(np.float32)
+    got = np.sort(np.array(top_k_columns(mx.array(logits), 16)), axis=-1)
+    assert (got == np.sort(np.argsort(-logits, axis=-1)[:, :16], axis=-1)).all()
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 15, 16])
