@@ -210,7 +210,6 @@ class CandidateSelector(nn.Module):
 
     def __init__(self, hidden: int, vocab: int, rank: int):
         super().__init__()
-        self.vocab = vocab
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
         # (tables read by rows: embeddings, so that a quantized draft stores them in 4/8 bits too)
         self.predecessor_codebook = nn.Embedding(vocab, rank)
@@ -242,16 +241,16 @@ class CandidateSelector(nn.Module):
         else:
             # Gumbel-max with one noise draw a slot, shared by its predecessors: only one of them is
             # ever realised, so each slot's pick is a draw from softmax(S / T) after it.
-            noise = mx.random.gumbel((n, 1, k), key=key)
-            picks = mx.argmax(scores.astype(mx.float32) / temperature + noise, axis=-1)
+            scores = scores.astype(mx.float32) / temperature
+            picks = mx.argmax(scores + mx.random.gumbel((n, 1, k), key=key), axis=-1)
         rows = follow_picks(picks)
         drafted = mx.take_along_axis(candidates, rows[:, None], axis=-1)[:, 0]
         if temperature <= 0:
             return drafted, None
         before = mx.concatenate([mx.zeros((1,), rows.dtype), rows[:-1]])  # each slot's predecessor row
-        realised = mx.take_along_axis(scores, before[:, None, None], axis=1)[:, 0]  # [n, k]
-        probs = mx.softmax(realised.astype(mx.float32) / temperature, axis=-1)
-        return drafted, mx.put_along_axis(mx.zeros((n, self.vocab)), candidates, probs, axis=-1)
+        probs = mx.softmax(mx.take_along_axis(scores, before[:, None, None], axis=1)[:, 0], axis=-1)  # [n, k]
+        vocab = self.successor_codebook.weight.shape[0]
+        return drafted, mx.put_along_axis(mx.zeros((n, vocab)), candidates, probs, axis=-1)
 
 
 def top_k_columns(logits: mx.array, k: int, group: int = 16) -> mx.array:
