@@ -3,6 +3,7 @@ output of each prompt alone, with mixed prompt lengths, rows that finish at diff
 rows that join mid-way and rows that leave early; with a real (random) draft and with planted
 drafts that make each row accept a different number of tokens every cycle."""
 
+import dataclasses
 import json
 import random
 
@@ -11,8 +12,12 @@ import pytest
 from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, greedy_reference, load_tiny, make_tiny_target
 
 from mlx_dflash import create_random_draft
-from mlx_dflash.draft import to_dflash2
 from mlx_dflash.batch import BatchDecoder, batch_generate
+from mlx_dflash.draft import DFlashDraft
+from mlx_dflash.draft_config import DFlash2Config
+from mlx_dflash.engine import prefill
+from mlx_dflash.proposer import DFlashProposer
+from mlx_dflash.target import Target
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.options import EngineOptions
 from mlx_dflash.policy import BlockPolicy
@@ -179,10 +184,65 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
     assert outputs[leaving] == references[2][: len(outputs[leaving])] and len(outputs[leaving]) < LIMITS[2]
 
 
-def test_other_drafts_are_refused_with_one_line(pair):
+def sliding(draft: DFlashDraft) -> DFlashDraft:
+    """The draft with a sliding-window last layer (its context mask is one the batch lacks)."""
+    windowed = DFlashDraft(dataclasses.replace(draft.config, sliding_window=4,
+                                               layer_types=["full_attention"] * (len(draft.layers) - 1) + ["sliding_attention"]))
+    windowed.update(draft.parameters())
+    return windowed
+
+
+def test_drafts_with_sliding_windows_are_refused_with_one_line(pair):
     model, draft, _ = pair
-    with pytest.raises(DFlashError, match="batched decoding supports v1 drafts"):
-        BatchDecoder(model, to_dflash2(draft))
+    with pytest.raises(DFlashError, match="batched decoding supports drafts without sliding-window layers"):
+        BatchDecoder(model, sliding(draft))
+
+
+def v2_draft(model) -> DFlashDraft:
+    """A DFlash2 draft with non-identity convolutions and selector (as a trained one has)."""
+    from test_dflash2 import trained_looking
+
+    config = vars(getattr(model, "language_model", model).args)
+    v2 = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    return trained_looking(create_random_draft(config, num_layers=2, block_size=BLOCK, mask_token_id=MASK_ID,
+                                               dflash2=v2))
+
+
+def test_dflash2_rows_draft_what_each_drafts_alone_and_keep_greedy_output(pair):
+    """A DFlash2 draft in a batch: every row's drafts (its convolutions along the row's block, its
+    selector's walk over the row's slots) are those the single-sequence engine drafts after the
+    same prompt; a sampled row's drafts and their q are its selector's draws with the same key;
+    every greedy row's tokens are mlx-lm's."""
+    from mlx_dflash.sampling import SamplingParams
+
+    model, _, references = pair
+    draft = v2_draft(model)
+    decoder = BatchDecoder(model, draft, BLOCK)
+    sampled, seed = SamplingParams(temp=0.8), 11
+    rows = [decoder.add(mx.array(p), n, sampled if i == 2 else None) for i, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
+    decoder.rows[rows[2].id].params = sampled.drawing(seed)  # (a known stream: the same draws alone)
+    joined = [i for i, row in enumerate(rows) if not row.done]
+    drafted, q = decoder._draft(mx.array([rows[i].first for i in joined], dtype=mx.uint32), BLOCK)
+    for index, i in enumerate(joined):
+        target, proposer = Target(model, draft.config.target_layer_ids), DFlashProposer(draft)
+        proposer.start(target)
+        prefill(target, proposer, mx.array(PROMPTS[i]), target.make_cache(), 512)
+        first = mx.array([rows[i].first], dtype=mx.uint32)
+        if i == 2:
+            alone, q_alone = proposer.sample(first, BLOCK - 1, sampled.temp, sampled.drawing(seed).key())
+            assert mx.allclose(q[index], q_alone, atol=1e-6)
+        else:
+            alone = proposer.propose(first, BLOCK - 1)
+        assert drafted[index].tolist() == alone.tolist()
+    assert batch_generate(model, PROMPTS, draft, LIMITS) == references
+    queued = BatchDecoder(model, draft, BLOCK, options=QUEUED)  # (the GPUs' cycle: drafts after counts on the device)
+    outputs = {row.id: list(row.tokens) for row in [queued.add(mx.array(p), n) for p, n in zip(PROMPTS, LIMITS)]}
+    seen = queues(queued)
+    while queued.rows:
+        for row, tokens in queued.step().items():
+            outputs[row] += tokens
+    assert list(outputs.values()) == references
+    assert any(seen) == queued.target.rolls_back_on_device
 
 
 def test_rows_it_cannot_sample_are_refused():
@@ -230,7 +290,7 @@ def test_the_server_says_why_it_does_not_batch(pair, tiny_dir):
     assert served.batch is not None and served.unbatched is None
     assert Served(model, None, draft, "m", 2048, 64, decode_concurrency=1).unbatched == "--decode-concurrency 1"
     assert "tree" in Served(model, None, draft, "m", 2048, 64, trees=True).unbatched
-    served = Served(model, None, to_dflash2(draft), "m", 2048, 64)
+    served = Served(model, None, sliding(draft), "m", 2048, 64)
     assert served.batch is None and "batched decoding supports" in served.unbatched
 
 

@@ -106,15 +106,21 @@ def test_emitted_distribution_with_compiled_blocks(setup):
         assert stat < chi_square_bound(dof), (stat, dof)
 
 
-def test_emitted_distribution_with_a_dflash2_draft(setup):
-    """A DFlash2 draft samples each slot from its selector's sparse q over the head's top-k
-    candidates; rejection sampling against it keeps the target's distribution."""
+def dflash2_draft(model):
+    """A DFlash2 draft whose selector re-ranks the head's top 4 (a non-zero successor codebook)."""
     from mlx_dflash.draft_config import DFlash2Config
 
-    model, _, draft, prompt = setup
     v2 = create_random_draft(dict(vars(model.args)), num_layers=1, block_size=4, mask_token_id=VOCAB - 1, seed=5,
                              dflash2=DFlash2Config(conv_group_size=16, selector_rank=8, selector_top_k=4))
     v2.candidate_selector.successor_codebook.weight = mx.random.normal((VOCAB, 8), key=mx.random.key(1))
+    return v2
+
+
+def test_emitted_distribution_with_a_dflash2_draft(setup):
+    """A DFlash2 draft samples each slot from its selector's sparse q over the head's top-k
+    candidates; rejection sampling against it keeps the target's distribution."""
+    model, _, _, prompt = setup
+    v2 = dflash2_draft(model)
     params = SamplingParams(temp=1.0)
     p2, p3 = exact_marginals(model, prompt, params)
     counts = sampled_marginals(model, v2, prompt, params)
@@ -135,12 +141,16 @@ def test_emitted_distribution_with_trees(setup, params):
         assert stat < chi_square_bound(dof), (stat, dof)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temp=1.0), SamplingParams(temp=0.7, top_k=10, top_p=0.95)],
-                         ids=["temp1", "temp0.7-topk-topp"])
-def test_emitted_distribution_in_a_batch(setup, params):
+@pytest.mark.parametrize("params, version", [(SamplingParams(temp=1.0), "v1"),
+                                             (SamplingParams(temp=0.7, top_k=10, top_p=0.95), "v1"),
+                                             (SamplingParams(temp=1.0), "v2")],
+                         ids=["temp1", "temp0.7-topk-topp", "temp1-dflash2"])
+def test_emitted_distribution_in_a_batch(setup, params, version):
     """Sampled rows of a batch (``BatchDecoder``), beside a greedy row: each row's tokens are
-    distributed as the target's own sampling; the greedy row's are its greedy ones."""
+    distributed as the target's own sampling (a DFlash2 draft's rows drawn through its
+    selector); the greedy row's are its greedy ones."""
     model, _, draft, prompt = setup
+    draft = dflash2_draft(model) if version == "v2" else draft
     p2, p3 = exact_marginals(model, prompt, params)
     decoder = BatchDecoder(model, draft, 4)
     random.seed(1234)  # (the generations' own streams start from Python's random)

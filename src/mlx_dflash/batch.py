@@ -12,8 +12,9 @@ layers keep mlx-lm's left-padded batch caches (eager).
 Greedy rows and sampled ones (temperature, top-p, top-k, min-p; lossless speculative sampling
 per row, ``sampling.py``); one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); every
 target family the engine supports (hybrids: each row's recurrent state rewound to its own
-prefix, ``delta_rule.py``) and v1 drafts without sliding-window layers; other drafts are refused
-with one clear line. A draft's context window limits what its passes see, not what the batch stores.
+prefix, ``delta_rule.py``) and drafts without sliding-window layers (v1, and DFlash2, whose
+selector walks every row's slots at once); drafts with them are refused with one clear line. A
+draft's context window limits what its passes see, not what the batch stores.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ class BatchDecoder:
                  options: EngineOptions = DEFAULT_OPTIONS):
         check_compatible(draft, model)
         self.target = Target(model, draft.config.target_layer_ids, options)
-        if draft.config.dflash2 is not None or any(draft.config.is_sliding(i) for i in range(len(draft.layers))):
-            raise DFlashError("batched decoding supports v1 drafts without sliding-window layers")
+        if any(draft.config.is_sliding(i) for i in range(len(draft.layers))):
+            raise DFlashError("batched decoding supports drafts without sliding-window layers")
         self.draft = draft
         self.block_size = block_size or draft.block_size
         if not 1 <= self.block_size <= draft.block_size:
@@ -327,14 +328,26 @@ class BatchDecoder:
                 masks[kind] = context.block_mask(L)
             h = layer(h, context, masks[kind])
         hidden = self.draft.norm(h)[:, 1:]
-        drafted = mx.argmax(self.draft.scale_logits(self.draft_head(hidden)), axis=-1)
-        drafted = drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
+        logits = self.draft.scale_logits(self.draft_head(hidden))
+        selector = self.draft.config.dflash2  # (a DFlash2 draft: its selector picks each slot, every row at once)
+        if selector is not None:
+            drafted = self.draft.candidate_selector.walk(hidden, logits, first, selector.selector_top_k, self.draft_vocab)[0]
+        else:
+            drafted = mx.argmax(logits, axis=-1)
+            drafted = drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
         q = {}
         for i, row_id in enumerate(self.order):
             params = self.rows[row_id].params
-            if params is not None:
-                q[i] = params.probabilities(self.draft.scale_logits(self.target.head(hidden[i])))
-                drafted[i : i + 1] = sample(q[i], params.key())[None]
+            if params is None:
+                continue
+            full = self.draft.scale_logits(self.target.head(hidden[i]))  # (q must be the drafts' own: the whole head)
+            if selector is not None:  # sampled through the selector, as the engine samples a DFlash2 draft
+                row_drafts, q[i] = self.draft.candidate_selector.walk(
+                    hidden[i], full, first[i : i + 1], selector.selector_top_k, None, params.temp, params.key())
+            else:
+                q[i] = params.probabilities(full)
+                row_drafts = sample(q[i], params.key())
+            drafted[i : i + 1] = row_drafts.astype(mx.uint32)[None]
         return drafted, q
 
     def _join(self, cache: list[Any], contexts: list[KVCache]) -> None:

@@ -220,37 +220,40 @@ class CandidateSelector(nn.Module):
     def walk(self, hidden: mx.array, logits: mx.array, first_token: mx.array, top_k: int,
              ids: Optional[mx.array] = None, temperature: float = 0.0, key: Optional[mx.array] = None
              ) -> tuple[mx.array, Optional[mx.array]]:
-        """Drafts [n] for the slots after ``first_token``: at each slot one of the head's top
-        ``top_k`` (``logits`` [n, V'] over ``ids``, or the whole vocabulary), scored against the
-        token chosen before it; hidden: [n, H], the slots' final states. Greedy takes the best
-        score; with a ``temperature`` the candidate is sampled from softmax(S / T) (draws from
-        ``key``), and the second result is that distribution on the vocabulary [n, V] (the q of
-        speculative sampling)."""
-        n, k = logits.shape[0], min(top_k, logits.shape[-1])
-        local = top_k_columns(logits, k)
-        candidates = local if ids is None else ids[local]  # [n, k]
+        """Drafts [..., n] for the slots after ``first_token`` ([...], one a sequence; [1] for
+        one): at each slot one of the head's top ``top_k`` (``logits`` [..., n, V'] over ``ids``,
+        or the whole vocabulary), scored against the token chosen before it; hidden: [..., n, H],
+        the slots' final states (leading axes: sequences walked together, as a batch's rows).
+        Greedy takes the best score; with a ``temperature`` the candidate is sampled from
+        softmax(S / T) (draws from ``key``), and the second result is that distribution on the
+        vocabulary [..., n, V] (the q of speculative sampling)."""
+        *lead, n, width = logits.shape
+        k = min(top_k, width)
+        local = top_k_columns(logits.reshape(-1, width), k).reshape(*lead, n, k)
+        candidates = local if ids is None else ids[local]  # [..., n, k]
         # Every slot's score for each of its candidates after each token that can precede it (the
         # previous slot's candidates; the first slot's: first_token), in one batched product, so
         # the walk below only looks scores up rather than computing a product per slot.
-        previous = mx.concatenate([mx.broadcast_to(first_token.reshape(1, 1), (1, k)), candidates[:-1]])
-        g = self.hidden_projection(hidden)  # [n, rank]
-        pairs = (self.predecessor_codebook(previous) * g[:, None]) @ self.successor_codebook(candidates).swapaxes(1, 2)
-        scores = mx.take_along_axis(logits, local, axis=-1)[:, None, :] + pairs  # [n, predecessor, candidate]
+        first = mx.broadcast_to(first_token.reshape(*lead, 1, 1).astype(candidates.dtype), (*lead, 1, k))
+        previous = mx.concatenate([first, candidates[..., :-1, :]], axis=-2)
+        g = self.hidden_projection(hidden)  # [..., n, rank]
+        pairs = (self.predecessor_codebook(previous) * g[..., None, :]) @ self.successor_codebook(candidates).swapaxes(-1, -2)
+        scores = mx.take_along_axis(logits, local, axis=-1)[..., None, :] + pairs  # [..., n, predecessor, candidate]
         if temperature <= 0:
-            picks = mx.argmax(scores, axis=-1)  # [n, k]: each slot's pick after each predecessor
+            picks = mx.argmax(scores, axis=-1)  # [..., n, k]: each slot's pick after each predecessor
         else:
             # Gumbel-max with one noise draw a slot, shared by its predecessors: only one of them is
             # ever realised, so each slot's pick is a draw from softmax(S / T) after it.
             scores = scores.astype(mx.float32) / temperature
-            picks = mx.argmax(scores + mx.random.gumbel((n, 1, k), key=key), axis=-1)
+            picks = mx.argmax(scores + mx.random.gumbel((*lead, n, 1, k), key=key), axis=-1)
         rows = follow_picks(picks)
-        drafted = mx.take_along_axis(candidates, rows[:, None], axis=-1)[:, 0]
+        drafted = mx.take_along_axis(candidates, rows[..., None], axis=-1)[..., 0]
         if temperature <= 0:
             return drafted, None
-        before = mx.concatenate([mx.zeros((1,), rows.dtype), rows[:-1]])  # each slot's predecessor row
-        probs = mx.softmax(mx.take_along_axis(scores, before[:, None, None], axis=1)[:, 0], axis=-1)  # [n, k]
+        before = mx.concatenate([mx.zeros((*lead, 1), rows.dtype), rows[..., :-1]], axis=-1)  # each slot's predecessor row
+        probs = mx.softmax(mx.take_along_axis(scores, before[..., None, None], axis=-2)[..., 0, :], axis=-1)  # [..., n, k]
         vocab = self.successor_codebook.weight.shape[0]
-        return drafted, mx.put_along_axis(mx.zeros((n, vocab)), candidates, probs, axis=-1)
+        return drafted, mx.put_along_axis(mx.zeros((*lead, n, vocab)), candidates, probs, axis=-1)
 
 
 def top_k_columns(logits: mx.array, k: int, group: int = 16) -> mx.array:
@@ -267,14 +270,16 @@ def top_k_columns(logits: mx.array, k: int, group: int = 16) -> mx.array:
 
 
 def follow_picks(picks: mx.array) -> mx.array:
-    """The rows [n] of a greedy walk in which slot t takes ``picks[t, row of slot t - 1]`` (slot 0
-    after row 0). By pointer doubling: each round composes every slot's map with the one ``step``
-    slots before it, so log2(n) gathers rather than one lookup per slot (each a kernel on a GPU)."""
+    """The rows [..., n] of a greedy walk in which slot t takes ``picks[..., t, row of slot t - 1]``
+    (slot 0 after row 0; ``picks`` [..., n, k]). By pointer doubling: each round composes every
+    slot's map with the one ``step`` slots before it, so log2(n) gathers rather than one lookup
+    per slot (each a kernel on a GPU)."""
     step = 1
-    while step < picks.shape[0]:
-        picks = mx.concatenate([picks[:step], mx.take_along_axis(picks[step:], picks[:-step], axis=1)])
+    while step < picks.shape[-2]:
+        later = mx.take_along_axis(picks[..., step:, :], picks[..., :-step, :], axis=-1)
+        picks = mx.concatenate([picks[..., :step, :], later], axis=-2)
         step *= 2
-    return picks[:, 0]
+    return picks[..., 0]
 
 
 class DFlashDraft(nn.Module):
