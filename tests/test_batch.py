@@ -17,8 +17,8 @@ from mlx_dflash.draft import DFlashDraft
 from mlx_dflash.draft_config import DFlash2Config
 from mlx_dflash.engine import prefill
 from mlx_dflash.proposer import DFlashProposer
+from mlx_dflash.sampling import sample
 from mlx_dflash.target import Target
-from mlx_dflash.errors import DFlashError
 from mlx_dflash.options import EngineOptions
 from mlx_dflash.policy import BlockPolicy
 
@@ -184,18 +184,15 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
     assert outputs[leaving] == references[2][: len(outputs[leaving])] and len(outputs[leaving]) < LIMITS[2]
 
 
-def sliding(draft: DFlashDraft) -> DFlashDraft:
-    """The draft with a sliding-window last layer (its context mask is one the batch lacks)."""
-    windowed = DFlashDraft(dataclasses.replace(draft.config, sliding_window=4,
-                                               layer_types=["full_attention"] * (len(draft.layers) - 1) + ["sliding_attention"]))
+def sliding(draft: DFlashDraft, causal: bool) -> DFlashDraft:
+    """The draft with a sliding window of 4 in its last layer, causal (v1's rule) or two-sided
+    (``is_causal: false``, DFlash2's)."""
+    layers = len(draft.layers)
+    windowed = DFlashDraft(dataclasses.replace(draft.config, sliding_window=4, is_causal=causal,
+                                               layer_types=["full_attention"] * (layers - 1) + ["sliding_attention"]))
     windowed.update(draft.parameters())
+    mx.eval(windowed.parameters())
     return windowed
-
-
-def test_drafts_with_sliding_windows_are_refused_with_one_line(pair):
-    model, draft, _ = pair
-    with pytest.raises(DFlashError, match="batched decoding supports drafts without sliding-window layers"):
-        BatchDecoder(model, sliding(draft))
 
 
 def v2_draft(model) -> DFlashDraft:
@@ -208,15 +205,25 @@ def v2_draft(model) -> DFlashDraft:
                                                dflash2=v2))
 
 
-def test_dflash2_rows_draft_what_each_drafts_alone_and_keep_greedy_output(pair):
-    """A DFlash2 draft in a batch: every row's drafts (its convolutions along the row's block, its
-    selector's walk over the row's slots) are those the single-sequence engine drafts after the
-    same prompt; a sampled row's drafts and their q are its selector's draws with the same key;
-    every greedy row's tokens are mlx-lm's."""
+DRAFT_KINDS = {
+    "dflash2": lambda model, draft: v2_draft(model),
+    "sliding-causal": lambda model, draft: sliding(draft, causal=True),
+    "sliding-two-sided": lambda model, draft: sliding(draft, causal=False),
+    "dflash2-sliding": lambda model, draft: sliding(v2_draft(model), causal=False),
+}
+
+
+@pytest.mark.parametrize("kind", DRAFT_KINDS)
+def test_rows_draft_what_each_drafts_alone_and_keep_greedy_output(pair, kind):
+    """DFlash2 drafts and drafts with sliding-window layers in a batch: every row's drafts (a
+    DFlash2 draft's convolutions along the row's block and its selector's walk over the row's
+    slots; a sliding window masked at the row's own positions) are those the single-sequence
+    engine drafts after the same prompt; a sampled row's drafts (and a DFlash2 draft's q) are
+    its draws with the same key; every greedy row's tokens are mlx-lm's, queued ahead too."""
     from mlx_dflash.sampling import SamplingParams
 
-    model, _, references = pair
-    draft = v2_draft(model)
+    model, v1, references = pair
+    draft = DRAFT_KINDS[kind](model, v1)
     decoder = BatchDecoder(model, draft, BLOCK)
     sampled, seed = SamplingParams(temp=0.8), 11
     rows = [decoder.add(mx.array(p), n, sampled if i == 2 else None) for i, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
@@ -228,8 +235,12 @@ def test_dflash2_rows_draft_what_each_drafts_alone_and_keep_greedy_output(pair):
         proposer.start(target)
         prefill(target, proposer, mx.array(PROMPTS[i]), target.make_cache(), 512)
         first = mx.array([rows[i].first], dtype=mx.uint32)
-        if i == 2:
+        if i == 2 and draft.config.dflash2 is not None:
             alone, q_alone = proposer.sample(first, BLOCK - 1, sampled.temp, sampled.drawing(seed).key())
+            assert mx.allclose(q[index], q_alone, atol=1e-6)
+        elif i == 2:  # (a v1 draft's sampled row: its head's distribution, drawn with the same key)
+            q_alone = sampled.probabilities(draft.scale_logits(target.head(proposer._slot_hidden(first, BLOCK - 1)[0])))
+            alone = sample(q_alone, sampled.drawing(seed).key())
             assert mx.allclose(q[index], q_alone, atol=1e-6)
         else:
             alone = proposer.propose(first, BLOCK - 1)
@@ -290,8 +301,7 @@ def test_the_server_says_why_it_does_not_batch(pair, tiny_dir):
     assert served.batch is not None and served.unbatched is None
     assert Served(model, None, draft, "m", 2048, 64, decode_concurrency=1).unbatched == "--decode-concurrency 1"
     assert "tree" in Served(model, None, draft, "m", 2048, 64, trees=True).unbatched
-    served = Served(model, None, sliding(draft), "m", 2048, 64)
-    assert served.batch is None and "batched decoding supports" in served.unbatched
+    assert Served(model, None, sliding(draft, causal=False), "m", 2048, 64).unbatched is None
 
 
 def test_the_batch_warm_up_changes_no_token(pair):

@@ -12,9 +12,9 @@ layers keep mlx-lm's left-padded batch caches (eager).
 Greedy rows and sampled ones (temperature, top-p, top-k, min-p; lossless speculative sampling
 per row, ``sampling.py``); one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); every
 target family the engine supports (hybrids: each row's recurrent state rewound to its own
-prefix, ``delta_rule.py``) and drafts without sliding-window layers (v1, and DFlash2, whose
-selector walks every row's slots at once); drafts with them are refused with one clear line. A
-draft's context window limits what its passes see, not what the batch stores.
+prefix, ``delta_rule.py``) and every draft (v1, and DFlash2, whose selector walks every row's
+slots at once; sliding-window layers masked per row). A draft's context window limits what its
+passes see, not what the batch stores.
 """
 
 from __future__ import annotations
@@ -92,8 +92,6 @@ class BatchDecoder:
                  options: EngineOptions = DEFAULT_OPTIONS):
         check_compatible(draft, model)
         self.target = Target(model, draft.config.target_layer_ids, options)
-        if any(draft.config.is_sliding(i) for i in range(len(draft.layers))):
-            raise DFlashError("batched decoding supports drafts without sliding-window layers")
         self.draft = draft
         self.block_size = block_size or draft.block_size
         if not 1 <= self.block_size <= draft.block_size:
@@ -321,11 +319,13 @@ class BatchDecoder:
             return mx.zeros((first.size, 0), dtype=mx.uint32), {}
         block = mx.concatenate([first[:, None], mx.full((first.size, L - 1), self.mask_id, dtype=mx.uint32)], axis=1)
         h = self.draft.scale_embeddings(self.target.embed(block))
-        masks: dict = {}  # per kind of layer (sink and window): their contexts move in step
-        for layer, context in zip(self.draft.layers, self.context):
-            kind = (context.sink, context.window)
+        config = self.draft.config
+        masks: dict = {}  # per kind of layer (sink, window, sliding window): their contexts move in step
+        for i, (layer, context) in enumerate(zip(self.draft.layers, self.context)):
+            sliding = config.sliding_window if config.is_sliding(i) else None
+            kind = (context.sink, context.window, sliding)
             if kind not in masks:
-                masks[kind] = context.block_mask(L)
+                masks[kind] = context.block_mask(L, sliding, config.causal_windows)
             h = layer(h, context, masks[kind])
         hidden = self.draft.norm(h)[:, 1:]
         logits = self.draft.scale_logits(self.draft_head(hidden))

@@ -131,13 +131,22 @@ class BatchContext:
     def fetch(self) -> tuple[mx.array, mx.array]:
         return self.cache.keys_and_values()
 
-    def block_mask(self, block_len: int) -> mx.array:
-        """[rows, 1, block, context + block]: a row's own context, through the sink and window if
-        any; the block's own tokens all (non-causal)."""
+    def block_mask(self, block_len: int, sliding_window: Optional[int] = None, causal: bool = True) -> mx.array:
+        """[rows, 1, block or 1, context + block]: a row's own context, through the sink and window
+        if any; the block's own tokens all (non-causal). A sliding-window layer's queries see the
+        positions within ``sliding_window`` of their own (stored index = position), the block's
+        later ones too unless ``causal`` (``draft_cache.block_mask``'s rule, per row)."""
         stored = mx.arange(self.cache.size())[None]  # [1, size]
         end = self.cache.offset[:, None]
         visible = stored < end
         if self.window is not None:
             visible = visible & ((stored < self.sink) | (stored >= end - self.window))
-        own = mx.ones((visible.shape[0], block_len), dtype=mx.bool_)
-        return mx.concatenate([visible, own], axis=1)[:, None, None, :]
+        if sliding_window is None:
+            own = mx.ones((visible.shape[0], block_len), dtype=mx.bool_)
+            return mx.concatenate([visible, own], axis=1)[:, None, None, :]
+        q, k = mx.arange(block_len)[:, None], mx.arange(block_len)[None]
+        near = (end[:, :, None] + q[None]) - stored[:, None, :] < sliding_window  # [rows, block, size]
+        context = visible[:, None, :] & near
+        own = (k <= q) & (q - k < sliding_window) if causal else mx.abs(q - k) < sliding_window
+        own = mx.broadcast_to(own[None], (context.shape[0], block_len, block_len))
+        return mx.concatenate([context, own], axis=2)[:, None]
