@@ -131,7 +131,7 @@ def test_an_identity_v2_draft_proposes_what_the_same_v1_draft_does(qwen3_pair):
 @pytest.mark.parametrize("family", [*FAMILIES, *MORE_FAMILIES])
 def test_v2_greedy_output_is_mlx_lms(tiny_dir, family):
     """A v2 draft with non-identity convolutions and selector: fixed blocks, adaptive, the GPUs'
-    queued and compiled paths, and a sampled run through its head's distribution."""
+    queued and compiled paths, a sampled run through its head's distribution, and trees."""
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / f"dflash2-{family}", family, "def fib(n):", MAX_TOKENS)
     draft = trained_looking(create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID,
                                                 dflash2=V2))
@@ -142,6 +142,10 @@ def test_v2_greedy_output_is_mlx_lms(tiny_dir, family):
     assert generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, options=gpu_paths).tokens == reference
     sampled = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, sampling=SamplingParams(temp=1.0, top_k=1))
     assert sampled.tokens == reference
+    # trees from its head's marginals, built on the host and on the device (where targets allow trees)
+    device_trees = EngineOptions(queue_ahead=True, compile_blocks=True, device_trees=True)
+    for options in (EngineOptions(), device_trees):
+        assert generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, trees=16, options=options).tokens == reference
 
 
 def test_v2_format_round_trip(qwen3_pair, tmp_path):
