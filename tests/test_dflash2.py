@@ -88,9 +88,10 @@ def test_selector_walk_is_the_brute_force_one(with_ids):
 def test_top_k_columns_are_the_k_largest(width):
     """Two stages on the CPU (width 8,192: the 16 groups of 16 with the largest maxima, then their
     top 16), one argpartition where a row is not whole groups (1,000) or too narrow (64)."""
-    logits = np.random.default_rng(width).normal(size=(15, width)).astype(np.float32)
+    logits = np.random.default_rng(width).normal(size=(3, 15, width)).astype(np.float32)  # (a batch's rows of slots)
     got = np.sort(np.array(top_k_columns(mx.array(logits), 16)), axis=-1)
-    assert (got == np.sort(np.argsort(-logits, axis=-1)[:, :16], axis=-1)).all()
+    assert (got == np.sort(np.argsort(-logits, axis=-1)[..., :16], axis=-1)).all()
+    assert (np.sort(np.array(top_k_columns(mx.array(logits[0]), 16)), axis=-1) == got[0]).all()
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 15, 16])

@@ -329,9 +329,10 @@ class BatchDecoder:
             h = layer(h, context, masks[kind])
         hidden = self.draft.norm(h)[:, 1:]
         logits = self.draft.scale_logits(self.draft_head(hidden))
-        selector = self.draft.config.dflash2  # (a DFlash2 draft: its selector picks each slot, every row at once)
+        selector = config.dflash2  # (a DFlash2 draft: its selector picks each slot, every row at once)
         if selector is not None:
-            drafted = self.draft.candidate_selector.walk(hidden, logits, first, selector.selector_top_k, self.draft_vocab)[0]
+            walk = self.draft.candidate_selector.walk
+            drafted = walk(hidden, logits, first, selector.selector_top_k, self.draft_vocab)[0]
         else:
             drafted = mx.argmax(logits, axis=-1)
             drafted = drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
@@ -342,8 +343,8 @@ class BatchDecoder:
                 continue
             full = self.draft.scale_logits(self.target.head(hidden[i]))  # (q must be the drafts' own: the whole head)
             if selector is not None:  # sampled through the selector, as the engine samples a DFlash2 draft
-                row_drafts, q[i] = self.draft.candidate_selector.walk(
-                    hidden[i], full, first[i : i + 1], selector.selector_top_k, None, params.temp, params.key())
+                row_drafts, q[i] = walk(hidden[i], full, first[i : i + 1], selector.selector_top_k, None, params.temp,
+                                        params.key())
             else:
                 q[i] = params.probabilities(full)
                 row_drafts = sample(q[i], params.key())

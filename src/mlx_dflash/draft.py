@@ -229,15 +229,16 @@ class CandidateSelector(nn.Module):
         vocabulary [..., n, V] (the q of speculative sampling)."""
         *lead, n, width = logits.shape
         k = min(top_k, width)
-        local = top_k_columns(logits.reshape(-1, width), k).reshape(*lead, n, k)
+        local = top_k_columns(logits, k)
         candidates = local if ids is None else ids[local]  # [..., n, k]
         # Every slot's score for each of its candidates after each token that can precede it (the
         # previous slot's candidates; the first slot's: first_token), in one batched product, so
         # the walk below only looks scores up rather than computing a product per slot.
-        first = mx.broadcast_to(first_token.reshape(*lead, 1, 1).astype(candidates.dtype), (*lead, 1, k))
+        first = mx.broadcast_to(first_token.reshape(*lead, 1, 1), (*lead, 1, k))
         previous = mx.concatenate([first, candidates[..., :-1, :]], axis=-2)
         g = self.hidden_projection(hidden)  # [..., n, rank]
-        pairs = (self.predecessor_codebook(previous) * g[..., None, :]) @ self.successor_codebook(candidates).swapaxes(-1, -2)
+        successors = self.successor_codebook(candidates).swapaxes(-1, -2)
+        pairs = (self.predecessor_codebook(previous) * g[..., None, :]) @ successors
         scores = mx.take_along_axis(logits, local, axis=-1)[..., None, :] + pairs  # [..., n, predecessor, candidate]
         if temperature <= 0:
             picks = mx.argmax(scores, axis=-1)  # [..., n, k]: each slot's pick after each predecessor
@@ -250,22 +251,23 @@ class CandidateSelector(nn.Module):
         drafted = mx.take_along_axis(candidates, rows[..., None], axis=-1)[..., 0]
         if temperature <= 0:
             return drafted, None
-        before = mx.concatenate([mx.zeros((*lead, 1), rows.dtype), rows[..., :-1]], axis=-1)  # each slot's predecessor row
-        probs = mx.softmax(mx.take_along_axis(scores, before[..., None, None], axis=-2)[..., 0, :], axis=-1)  # [..., n, k]
+        before = mx.concatenate([mx.zeros((*lead, 1), rows.dtype), rows[..., :-1]], axis=-1)  # each slot's predecessor
+        after = mx.take_along_axis(scores, before[..., None, None], axis=-2)[..., 0, :]  # [..., n, k]
+        probs = mx.softmax(after, axis=-1)
         vocab = self.successor_codebook.weight.shape[0]
         return drafted, mx.put_along_axis(mx.zeros((*lead, n, vocab)), candidates, probs, axis=-1)
 
 
 def top_k_columns(logits: mx.array, k: int, group: int = 16) -> mx.array:
-    """The columns of each row's k largest logits ([n, k], in no order). On the CPU, where MLX's
+    """The columns of each row's k largest logits ([..., k], in no order). On the CPU, where MLX's
     argpartition over a wide row is slow, from the k groups of ``group`` columns with the largest
     maxima (together they hold every one of the k largest); elsewhere one argpartition (one kernel)."""
-    n, width = logits.shape
+    *lead, width = logits.shape
     if on_gpu() or width % group or width < 4 * group * k:
-        return mx.argpartition(-logits, k - 1, axis=-1)[:, :k]
-    groups = mx.argpartition(-logits.reshape(n, -1, group).max(axis=-1), k - 1, axis=-1)[:, :k]
-    columns = (groups[:, :, None] * group + mx.arange(group)).reshape(n, group * k)
-    best = mx.argpartition(-mx.take_along_axis(logits, columns, axis=-1), k - 1, axis=-1)[:, :k]
+        return mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
+    groups = mx.argpartition(-logits.reshape(*lead, -1, group).max(axis=-1), k - 1, axis=-1)[..., :k]
+    columns = (groups[..., None] * group + mx.arange(group)).reshape(*lead, group * k)
+    best = mx.argpartition(-mx.take_along_axis(logits, columns, axis=-1), k - 1, axis=-1)[..., :k]
     return mx.take_along_axis(columns, best, axis=-1)
 
 
