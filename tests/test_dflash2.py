@@ -275,14 +275,24 @@ def test_sampled_walks_follow_the_chain_of_selector_distributions():
     assert np.abs(counts / draws - expected).max() < 0.03, (counts / draws, expected)
 
 
-def test_training_forward_of_blocks_equals_the_decode_pass(qwen3_pair):
+@pytest.mark.parametrize("window", [None, "causal", "two-sided"])
+def test_training_forward_of_blocks_equals_the_decode_pass(qwen3_pair, window):
     """The training forward (many anchored blocks in one pass, each block's convolutions from
-    its own start) gives each block what the decode pass gives it over the same context."""
+    its own start) gives each block what the decode pass gives it over the same context; with
+    a sliding window of 3 in the last layer (causal, or two-sided: ``is_causal: false``) too."""
+    import dataclasses
+
+    from mlx_dflash.draft import DFlashDraft
     from mlx_dflash.train import context_visibility
 
     model, *_ = qwen3_pair
     draft = trained_looking(create_random_draft(_config(model), num_layers=2, block_size=4, mask_token_id=MASK_ID,
                                                 dflash2=V2))
+    if window is not None:
+        windowed = DFlashDraft(dataclasses.replace(draft.config, sliding_window=3, is_causal=window == "causal",
+                                                   layer_types=["full_attention", "sliding_attention"]))
+        windowed.update(draft.parameters())
+        draft = windowed
     H = draft.config.hidden_size
     context = draft.project_context(mx.random.normal((1, 12, 2 * H), key=mx.random.key(4)))
     anchors = mx.array([[3, 7]])
@@ -297,10 +307,13 @@ def test_training_forward_of_blocks_equals_the_decode_pass(qwen3_pair):
 
 def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
     """--arch dflash2: block loss plus the selector loss falls, the draft saves and reloads as v2;
-    with --init a v1 draft becomes its identity start."""
+    with --init a v1 draft becomes its identity start, and a draft with a sliding window keeps it."""
+    import dataclasses
+
     from tiny_models import load_tiny, make_tiny_target
 
     from mlx_dflash.data import build_dataset, stdlib_prompts
+    from mlx_dflash.draft import DFlashDraft
     from mlx_dflash.train import TrainConfig, train
 
     model, tokenizer = load_tiny(make_tiny_target(tiny_dir / "dflash2-train", "qwen3"))
@@ -319,6 +332,14 @@ def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
     tuned = train(model, tokenizer, [str(data)], str(tmp_path / "tuned"), TrainConfig(**base, steps=1, arch="dflash2"),
                   init=str(v1_dir))
     assert load_draft(str(tuned)).config.dflash2 is not None
+    # a published DFlash2 layout, a two-sided sliding window: it fine-tunes with the window it decodes with
+    windowed = DFlashDraft(dataclasses.replace(trained.config, sliding_window=4, is_causal=False,
+                                               layer_types=["sliding_attention"]))
+    windowed.update(trained.parameters())
+    save_draft(windowed, tmp_path / "windowed")
+    tuned = load_draft(str(train(model, tokenizer, [str(data)], str(tmp_path / "windowed-tuned"),
+                                 TrainConfig(**base, steps=2, arch="dflash2"), init=str(tmp_path / "windowed"))))
+    assert tuned.config.is_sliding(0) and tuned.config.sliding_window == 4 and not tuned.config.causal_windows
 
     # --kernel-lr-scale 0: the kernel projections keep their identity start while the rest learns,
     # and the two optimizers' state survives a resume.

@@ -25,7 +25,6 @@ from .cpu_kernels import attention, rope, swiglu
 from .device import on_gpu
 from .draft_cache import ContextView, DraftContextCache
 from .draft_config import DFlash2Config, DraftConfig, default_target_layer_ids
-from .errors import DFlashError
 from .projections import BlockProjections, block_projections
 from .rollback import Count, device_count
 
@@ -63,13 +62,16 @@ class DraftAttention(nn.Module):
         values = self._heads(self.v_proj(context), self.n_kv_heads)
         return keys, values
 
-    def attend_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array) -> mx.array:
+    def attend_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array,
+                      sliding_window: Optional[int] = None, causal: bool = True) -> mx.array:
         """Training: all A blocks of each sequence in one pass.
 
         x [B, A*bs, H] holds A blocks; block i sits at positions anchors[:, i] + (0..bs-1).
         sees_context [B, A, T]: which context positions block i may see (those before its anchor).
         A block also sees itself (bidirectionally) and never another block, so block-to-block
         scores are computed per block ([bs, bs]) instead of masking an [A*bs, A*bs] matrix.
+        A sliding-window layer's queries see only positions within ``sliding_window`` of their
+        own, the block's later ones too unless ``causal`` (as ``draft_cache.block_mask``).
         """
         B, N, _ = x.shape
         A = anchors.shape[1]
@@ -89,8 +91,14 @@ class DraftAttention(nn.Module):
         q = q.reshape(B, kv, rep, A, bs, -1) * self.scale
         ctx_scores = q.reshape(B, kv, rep, N, -1) @ ctx_k[:, :, None].swapaxes(-1, -2)  # [B, kv, rep, N, T]
         visible = mx.repeat(sees_context, bs, axis=1)[:, None, None]  # [B, 1, 1, N, T]
-        ctx_scores = mx.where(visible, ctx_scores, mx.array(-1e9, ctx_scores.dtype))
         own_scores = (q @ k[:, :, None].swapaxes(-1, -2)).reshape(B, kv, rep, N, bs)  # [.., N, bs]
+        if sliding_window is not None:
+            positions = (anchors[:, :, None] + mx.arange(bs)).reshape(B, 1, 1, N, 1)  # each query's
+            visible = visible & (positions - mx.arange(T) < sliding_window)
+            j, i = mx.arange(bs)[:, None], mx.arange(bs)[None]  # (query, key) slots of a block
+            own = (i <= j) & (j - i < sliding_window) if causal else mx.abs(j - i) < sliding_window
+            own_scores = mx.where(mx.tile(own, (A, 1)), own_scores, mx.array(-1e9, own_scores.dtype))
+        ctx_scores = mx.where(visible, ctx_scores, mx.array(-1e9, ctx_scores.dtype))
         probs = mx.softmax(mx.concatenate([ctx_scores, own_scores], axis=-1).astype(mx.float32), axis=-1)
         probs = probs.astype(q.dtype)
         out = probs[..., :T] @ ctx_v[:, :, None]  # [B, kv, rep, N, hd]
@@ -182,9 +190,11 @@ class DraftLayer(nn.Module):
         """Decode: one block over the cached context."""
         return self._forward(x, lambda h: self.self_attn(h, cache, mask), x.shape[1])
 
-    def forward_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array) -> mx.array:
+    def forward_blocks(self, x: mx.array, context: mx.array, anchors: mx.array, sees_context: mx.array,
+                       sliding_window: Optional[int] = None, causal: bool = True) -> mx.array:
         """Training: many blocks at once (``DraftAttention.attend_blocks``)."""
-        attend = lambda h: self.self_attn.attend_blocks(h, context, anchors, sees_context)  # noqa: E731
+        attend = lambda h: self.self_attn.attend_blocks(h, context, anchors, sees_context,  # noqa: E731
+                                                        sliding_window, causal)
         return self._forward(x, attend, x.shape[1] // anchors.shape[1])
 
     def _forward(self, x: mx.array, attend: Callable[[mx.array], mx.array], block_len: int) -> mx.array:
@@ -407,11 +417,10 @@ class DFlashDraft(nn.Module):
     def forward_blocks(self, block_embeddings: mx.array, context: mx.array, anchors: mx.array,
                        sees_context: mx.array) -> mx.array:
         """Training forward: all anchored blocks of a batch in one pass (see ``train.py``)."""
-        if self.config.layer_types and "sliding_attention" in self.config.layer_types:
-            raise DFlashError("training drafts with sliding-window layers is not supported")
         h = block_embeddings
-        for layer in self.layers:
-            h = layer.forward_blocks(h, context, anchors, sees_context)
+        for i, layer in enumerate(self.layers):
+            window = self.config.sliding_window if self.config.is_sliding(i) else None
+            h = layer.forward_blocks(h, context, anchors, sees_context, window, self.config.causal_windows)
         return self.norm(h)
 
 
