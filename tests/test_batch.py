@@ -205,8 +205,19 @@ def v2_draft(model) -> DFlashDraft:
                                                dflash2=v2))
 
 
+def quantized_with_vocabulary(draft: DFlashDraft) -> DFlashDraft:
+    """The draft in 8 bits (kept quantized, as on Apple GPUs) with a draft vocabulary of every
+    other token: greedy rows draft through a head of those rows."""
+    from mlx_dflash.draft_io import quantize_draft
+
+    draft.config.draft_vocab = list(range(0, draft.config.vocab_size, 2))
+    quantize_draft(draft, 8)
+    return draft
+
+
 DRAFT_KINDS = {
     "dflash2": lambda model, draft: v2_draft(model),
+    "dflash2-8bit-vocabulary": lambda model, draft: quantized_with_vocabulary(v2_draft(model)),
     "sliding-causal": lambda model, draft: sliding(draft, causal=True),
     "sliding-two-sided": lambda model, draft: sliding(draft, causal=False),
     "dflash2-sliding": lambda model, draft: sliding(v2_draft(model), causal=False),
@@ -215,11 +226,12 @@ DRAFT_KINDS = {
 
 @pytest.mark.parametrize("kind", DRAFT_KINDS)
 def test_rows_draft_what_each_drafts_alone_and_keep_greedy_output(pair, kind):
-    """DFlash2 drafts and drafts with sliding-window layers in a batch: every row's drafts (a
-    DFlash2 draft's convolutions along the row's block and its selector's walk over the row's
-    slots; a sliding window masked at the row's own positions) are those the single-sequence
-    engine drafts after the same prompt; a sampled row's drafts (and a DFlash2 draft's q) are
-    its draws with the same key; every greedy row's tokens are mlx-lm's, queued ahead too."""
+    """DFlash2 drafts (also in 8 bits with a draft vocabulary) and drafts with sliding-window
+    layers in a batch: every row's drafts (a DFlash2 draft's convolutions along the row's block
+    and its selector's walk over the row's slots; a sliding window masked at the row's own
+    positions) are those the single-sequence engine drafts after the same prompt; a sampled
+    row's drafts (and a DFlash2 draft's q) are its draws with the same key; every greedy row's
+    tokens are mlx-lm's, queued ahead too."""
     from mlx_dflash.sampling import SamplingParams
 
     model, v1, references = pair
