@@ -59,6 +59,10 @@ def test_bench_runs_and_writes_everything(tiny_dir, tmp_path):
         assert ratio == entry["decode_tokens_per_sec_by_prompt"][p] / base["decode_tokens_per_sec_by_prompt"][p]
     ratios = sorted(entry["speedup_by_prompt"].values())
     assert len(ratios) == 2 and f"| {ratios[0]:.2f}-{ratios[1]:.2f}x |" in markdown_table(summary)
+    # the draft count of mlx-lm's speculative decoding with the best median, named per length
+    for length in (12, 20):
+        k = max((2, 4), key=lambda k: summary[f"mlx_lm_speculative_k{k}@{length}"]["median_speedup"])
+        assert f"speculative decoding at {length} tokens: best --num-draft-tokens {k} " in markdown_table(summary)
 
 
 def test_baselines_first_times_mlx_lm_before_any_dflash(tiny_dir, monkeypatch):

@@ -199,7 +199,21 @@ def markdown_table(summary: dict) -> str:
         rows.append(f"| {e['method']} | {e['length']} | {e['decode_tokens_per_sec']:.1f} | "
                     f"{e.get('speedup_vs_baseline', 1.0):.2f}x | {median} | {spread} | {capped} | {uncapped} | "
                     f"{e['ttft_s_median']:.3f} | {e['peak_memory_gb']:.2f} | {acc} | {match} |")
+    for length, (k, e) in best_speculative(summary).items():
+        rows.append(f"\nmlx-lm's speculative decoding at {length} tokens: best --num-draft-tokens {k} "
+                    f"(median per prompt {e['median_speedup']:.2f}x, aggregate {e['speedup_vs_baseline']:.2f}x)")
     return "\n".join(rows)
+
+
+def best_speculative(summary: dict) -> dict[int, tuple[int, dict]]:
+    """Per length where mlx-lm's speculative decoding ran with several draft counts: the count
+    with the highest median per-prompt speed-up, and its entry."""
+    counts: dict[int, list[tuple[int, dict]]] = {}
+    for e in summary.values():
+        if e["method"].startswith("mlx_lm_speculative_k") and "median_speedup" in e:
+            counts.setdefault(e["length"], []).append((int(e["method"].rsplit("k", 1)[1]), e))
+    return {length: max(runs, key=lambda run: run[1]["median_speedup"])
+            for length, runs in sorted(counts.items()) if len(runs) > 1}
 
 
 def plot(summary: dict, out_dir: Path) -> list[Path]:
