@@ -16,11 +16,11 @@ from mlx_dflash.batch import BatchDecoder, batch_generate
 from mlx_dflash.draft import DFlashDraft
 from mlx_dflash.draft_config import DFlash2Config
 from mlx_dflash.engine import prefill
+from mlx_dflash.options import EngineOptions
+from mlx_dflash.policy import BlockPolicy
 from mlx_dflash.proposer import DFlashProposer
 from mlx_dflash.sampling import sample
 from mlx_dflash.target import Target
-from mlx_dflash.options import EngineOptions
-from mlx_dflash.policy import BlockPolicy
 
 PROMPTS = [list(range(40, 40 + n)) for n in (5, 17, 30, 9, 12)]
 LIMITS = [20, 7, 33, 1, 26]
@@ -251,7 +251,7 @@ def test_rows_draft_what_each_drafts_alone_and_keep_greedy_output(pair, kind):
             alone, q_alone = proposer.sample(first, BLOCK - 1, sampled.temp, sampled.drawing(seed).key())
             assert mx.allclose(q[index], q_alone, atol=1e-6)
         elif i == 2:  # (a v1 draft's sampled row: its head's distribution, drawn with the same key)
-            q_alone = sampled.probabilities(draft.scale_logits(target.head(proposer._slot_hidden(first, BLOCK - 1)[0])))
+            q_alone = sampled.probabilities(proposer.draft_logits(first, BLOCK - 1))
             alone = sample(q_alone, sampled.drawing(seed).key())
             assert mx.allclose(q[index], q_alone, atol=1e-6)
         else:
