@@ -35,7 +35,7 @@ from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
 from .policy import BlockPolicy, CycleClock
 from .prefix_cache import PrefixCache
-from .sampling import SamplingParams, first_token, sample, verify
+from .sampling import SamplingParams, draft_tokens, first_token, verify
 from .target import Target, check_compatible
 
 
@@ -330,8 +330,8 @@ class BatchDecoder:
         hidden = self.draft.norm(h)[:, 1:]
         logits = self.draft.scale_logits(self.draft_head(hidden))
         selector = config.dflash2  # (a DFlash2 draft: its selector picks each slot, every row at once)
-        if selector is not None:
-            walk = self.draft.candidate_selector.walk
+        walk = self.draft.candidate_selector.walk if selector is not None else None
+        if walk is not None:
             drafted = walk(hidden, logits, first, selector.selector_top_k, self.draft_vocab)[0]
         else:
             drafted = mx.argmax(logits, axis=-1)
@@ -342,12 +342,11 @@ class BatchDecoder:
             if params is None:
                 continue
             full = self.draft.scale_logits(self.target.head(hidden[i]))  # (q must be the drafts' own: the whole head)
-            if selector is not None:  # sampled through the selector, as the engine samples a DFlash2 draft
+            if walk is not None:  # sampled through the selector, as the engine samples a DFlash2 draft
                 row_drafts, q[i] = walk(hidden[i], full, first[i : i + 1], selector.selector_top_k, None, params.temp,
                                         params.key())
             else:
-                q[i] = params.probabilities(full)
-                row_drafts = sample(q[i], params.key())
+                row_drafts, q[i] = draft_tokens(params, full, None, first[i : i + 1])
             drafted[i : i + 1] = row_drafts.astype(mx.uint32)[None]
         return drafted, q
 

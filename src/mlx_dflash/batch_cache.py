@@ -23,6 +23,7 @@ from typing import Any, Optional, Union
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, dynamic_roll
 
+from .draft_cache import window_mask
 from .rollback import DeviceKVCache, is_recurrent, padded
 
 
@@ -144,9 +145,8 @@ class BatchContext:
         if sliding_window is None:
             own = mx.ones((visible.shape[0], block_len), dtype=mx.bool_)
             return mx.concatenate([visible, own], axis=1)[:, None, None, :]
-        q, k = mx.arange(block_len)[:, None], mx.arange(block_len)[None]
-        near = (end[:, :, None] + q[None]) - stored[:, None, :] < sliding_window  # [rows, block, size]
-        context = visible[:, None, :] & near
-        own = (k <= q) & (q - k < sliding_window) if causal else mx.abs(q - k) < sliding_window
-        own = mx.broadcast_to(own[None], (context.shape[0], block_len, block_len))
+        near = (end[:, :, None] + mx.arange(block_len)[None, :, None]) - stored[:, None, :] < sliding_window
+        context = visible[:, None, :] & near  # [rows, block, size]
+        own = mx.broadcast_to(window_mask(block_len, sliding_window, causal)[None],
+                              (context.shape[0], block_len, block_len))
         return mx.concatenate([context, own], axis=2)[:, None]

@@ -23,7 +23,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .cpu_kernels import attention, rope, swiglu
 from .device import on_gpu
-from .draft_cache import ContextView, DraftContextCache
+from .draft_cache import ContextView, DraftContextCache, window_mask
 from .draft_config import DFlash2Config, DraftConfig, default_target_layer_ids
 from .projections import BlockProjections, block_projections
 from .rollback import Count, device_count
@@ -95,9 +95,8 @@ class DraftAttention(nn.Module):
         if sliding_window is not None:
             positions = (anchors[:, :, None] + mx.arange(bs)).reshape(B, 1, 1, N, 1)  # each query's
             visible = visible & (positions - mx.arange(T) < sliding_window)
-            j, i = mx.arange(bs)[:, None], mx.arange(bs)[None]  # (query, key) slots of a block
-            own = (i <= j) & (j - i < sliding_window) if causal else mx.abs(j - i) < sliding_window
-            own_scores = mx.where(mx.tile(own, (A, 1)), own_scores, mx.array(-1e9, own_scores.dtype))
+            own = mx.tile(window_mask(bs, sliding_window, causal), (A, 1))  # [N, bs]
+            own_scores = mx.where(own, own_scores, mx.array(-1e9, own_scores.dtype))
         ctx_scores = mx.where(visible, ctx_scores, mx.array(-1e9, ctx_scores.dtype))
         probs = mx.softmax(mx.concatenate([ctx_scores, own_scores], axis=-1).astype(mx.float32), axis=-1)
         probs = probs.astype(q.dtype)

@@ -154,6 +154,13 @@ class ContextView:
         return block_mask(self, block_len, sliding_window, causal)
 
 
+def window_mask(block_len: int, sliding_window: int, causal: bool) -> mx.array:
+    """[L, L]: which of a block's own tokens each of its queries sees in a sliding-window layer:
+    those within ``sliding_window`` of its own slot, the later ones too unless ``causal``."""
+    q, k = mx.arange(block_len)[:, None], mx.arange(block_len)[None]
+    return (k <= q) & (q - k < sliding_window) if causal else mx.abs(q - k) < sliding_window
+
+
 def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optional[int],
                causal: bool = True) -> Optional[mx.array]:
     """Which of [context ; block] keys each block query sees ([L, context read + L]; None: all):
@@ -169,7 +176,6 @@ def block_mask(cache: "DraftContextCache", block_len: int, sliding_window: Optio
     own = mx.ones((block_len, block_len), dtype=mx.bool_)
     if sliding_window is not None:
         q = mx.arange(block_len)[:, None]
-        k = mx.arange(block_len)[None]
         context = context & ((start + q) - mx.arange(n_context)[None] < sliding_window)
-        own = (k <= q) & (q - k < sliding_window) if causal else mx.abs(q - k) < sliding_window
+        own = window_mask(block_len, sliding_window, causal)
     return mx.concatenate([context, own], axis=1)

@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from tqdm import tqdm
 
 from .data import read_sequences
-from .draft import DFlashDraft, create_random_draft, to_dflash2
+from .draft import DFlashDraft, create_random_draft, to_dflash2, top_k_columns
 from .draft_config import DFlash2Config
 from .draft_io import dequantize_draft, is_quantized, load_draft, save_draft
 from .errors import DFlashError
@@ -184,7 +184,7 @@ def selector_loss(draft: DFlashDraft, hidden: mx.array, logits: mx.array, batch:
     true token is not among the candidates are skipped."""
     selector = draft.candidate_selector
     k = min(draft.config.dflash2.selector_top_k, logits.shape[-1])
-    local = mx.stop_gradient(mx.argpartition(-logits, k - 1, axis=-1)[..., :k])  # [B, A, n, k]
+    local = mx.stop_gradient(top_k_columns(logits, k))  # [B, A, n, k]
     candidates = local if head_ids is None else head_ids[local]
     previous, true = batch["truth"][..., :-1], batch["truth"][..., 1:]  # [B, A, n]: global ids
     query = selector.predecessor_codebook(previous) * selector.hidden_projection(hidden)  # [B, A, n, rank]
