@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, for real: uvicorn on loopback, the official client, raw HTTP."""
 
+import asyncio
 import json
 import threading
 import time
@@ -14,6 +15,10 @@ from openai import OpenAI
 from tiny_models import MASK_ID, free_port, load_tiny, make_tiny_target, wait_until_healthy
 
 from mlx_dflash import SamplingParams, create_random_draft, generate
+from mlx_dflash.batch import BatchDecoder
+from mlx_dflash.generate import TextStream
+from mlx_dflash.mlx_thread import MLXThread
+from mlx_dflash.scheduler import BatchRequest, BatchWorker
 from mlx_dflash.server import Served, create_app
 
 NAME = "tiny"
@@ -150,6 +155,37 @@ def test_a_lone_generation_moves_into_the_batch_when_others_come(server):
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == expected_long.text
     assert chunks[-1]["usage"]["completion_tokens"] == 1000 and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert httpx.get(base + "/health").json()["batch"]["moved_in"] == moved + 1
+
+
+def test_a_row_that_reaches_eos_leaves_the_batch_in_that_cycle(tiny_dir):
+    """A batch row whose cycle commits an EOS is gone when its client reads its last tokens, so
+    the client's next request finds the batch empty and runs alone (single-sequence engine)."""
+    path = make_tiny_target(tiny_dir / "eos-qwen3", "qwen3")
+    model, tokenizer = load_tiny(path)
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
+    prompt = tokenizer.encode("Where does it end?")
+    tokenizer.eos_token_ids = set()
+    solo = generate(model, tokenizer, prompt, draft, max_tokens=40).tokens
+    end = next(k for k in range(3, len(solo)) if solo[k] not in solo[:k])  # (a token first made there)
+    tokenizer.eos_token_ids = {solo[end]}
+    worker = BatchWorker(BatchDecoder(model, draft), asyncio.Lock(), MLXThread(), max_rows=4)
+
+    async def serve_one() -> tuple[TextStream, bool]:
+        text = TextStream(tokenizer, mx.array(prompt), 40)
+
+        async def connected() -> bool:
+            return False
+        async for _ in worker.stream(BatchRequest(prompt, 40, text), connected):
+            pass
+        return text, worker.busy
+
+    try:
+        text, busy = asyncio.run(serve_one())
+    finally:
+        worker.thread.close()
+    assert (text.tokens, text.finish_reason) == (solo[:end], "stop")  # (the EOS ends it, not in the text)
+    assert not busy
 
 
 def test_chat_streaming_equals_generate(server):

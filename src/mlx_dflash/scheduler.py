@@ -1,9 +1,9 @@
 """The server's batch: requests decoded together (continuous batching, ``batch.py``).
 
 Requests wait in ``pending``; before each cycle the worker merges them into the batch (each
-prompt prefilled alone) and drops the rows whose client went away or whose text ended (EOS or
-a stop string: the decoder itself only knows ``max_tokens``), then runs one cycle for all rows
-and hands each request its committed tokens. Every model call runs under the server's lock,
+prompt prefilled alone) and drops the rows whose client went away or whose text ended at a stop
+string, then runs one cycle for all rows and hands each request its committed tokens; a row
+that reached an EOS or its ``max_tokens`` in that cycle leaves at once. Every model call runs under the server's lock,
 one cycle at a time, so a generation outside the batch (a seeded request, or one that came
 alone) runs its cycles between the batch's.
 """
@@ -32,7 +32,7 @@ class BatchRequest:
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)  # committed tokens per cycle; None: the end
     row: Optional[int] = None
     reused_prompt_tokens: int = 0
-    leaving: bool = False  # its text ended or its client went away: drop the row at the next cycle
+    leaving: bool = False  # its text ended (a stop string) or its client went away: drop the row at the next cycle
 
 
 class BatchWorker:
@@ -126,6 +126,13 @@ class BatchWorker:
             return
         self.cycles, self.peak_rows = self.cycles + 1, max(self.peak_rows, len(self.active))
         for row, committed in self.decoder.step().items():
-            send(self.active[row], committed)
-            if row not in self.decoder.rows:  # (it reached its max_tokens)
-                send(self.active.pop(row), None)
+            request = self.active[row]
+            # A row that reached its max_tokens or an EOS leaves now, not a cycle later: a request
+            # that comes next then finds the batch empty and runs alone (faster for one sequence).
+            ended = row not in self.decoder.rows or any(token in request.text.eos for token in committed)
+            if ended:
+                self.decoder.remove(row)
+                del self.active[row]
+            send(request, committed)
+            if ended:
+                send(request, None)
