@@ -4,10 +4,10 @@ server one request at a time, and mlx-lm's batched server (no draft), side by si
     python benchmarks/serve.py [--model M] [--draft D] [--clients 1 4 8 16] [--requests 2] [--max-tokens 128]
 
 Each server runs in a process of its own on loopback (started, warmed with short requests at
-each client count, timed, stopped, one after the other). At each client count C, C threads each
-send ``--requests`` streamed greedy chat requests (HumanEval prompts, one after the other)
-through the official ``openai`` client. Reported per server and C: completion tokens per second over the wall time
-of all C clients, and the median and 95th percentile of the time to first token and of the time
+each client count and one lone request of the full length, timed, stopped, one after the
+other). At each client count C, C threads each send ``--requests`` streamed greedy chat
+requests (HumanEval prompts, one after the other) through the official ``openai`` client.
+Reported per server and C: completion tokens per second over the wall time of all C clients, and the median and 95th percentile of the time to first token and of the time
 per output token after it, and how many replies ran to ``--max-tokens`` (often loops, easy to draft:
 they flatter a speculative server's aggregate) with their share of the tokens. Markdown on stdout;
 ``--json FILE`` keeps every request's figures.
@@ -121,6 +121,10 @@ def main() -> None:
                 f"http://127.0.0.1:{args.port}/v1/models").json()["data"][0]["id"]
             for clients in args.clients:  # (warm: each batch size's kernels built before timing)
                 run_clients(args.port, served, clients, 1, prompts, max(8, args.max_tokens // 4))
+            # and a lone client at the full length (a prompt the timed runs do not send): in the batched server
+            # the warm-up's first requests move into the batch, so its single-sequence engine would otherwise
+            # meet the longer caches' shapes (new traces) in the timed runs
+            run_clients(args.port, served, 1, 1, prompts[-1:], args.max_tokens)
             for clients in args.clients:
                 result = run_clients(args.port, served, clients, args.requests, prompts, args.max_tokens)
                 everything.setdefault(label, []).append(result)
