@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import load_tiny, make_tiny_target
 
 from mlx_dflash import cpu_kernels
-from mlx_dflash.cpu_kernels import BlockKernels, ReboundModule, attention, exp, rope, swiglu
+from mlx_dflash.cpu_kernels import BlockKernels, ReboundModule, attention, exp, rope, shifted_exp, swiglu
 from mlx_dflash.projections import swapped
 
 
@@ -162,6 +162,23 @@ def test_exp_has_exps_gradient():
     x = mx.linspace(-5, 5, 11)
     grad = mx.grad(lambda t: exp(t).sum())(x)
     assert mx.allclose(grad, mx.exp(x), rtol=1e-6).item()
+
+
+@pytest.mark.parametrize("shift_shape", [(2, 3, 5, 1), (2, 1, 5, 1), ()])
+def test_shifted_exp_is_exp_of_the_difference_with_its_gradients(shift_shape):
+    """shifted_exp(x, shift) gives exp's numbers for x - shift bit for bit (a softmax's shifted
+    scores never written out), and the gradients of exp(x - shift) for both arguments, a
+    broadcast shift's summed over the axes it was broadcast along."""
+    x = mx.random.normal((2, 3, 5, 7), key=mx.random.key(0)) * 10
+    shift = x.max(axis=(1, 3), keepdims=True) if shift_shape == (2, 1, 5, 1) else (
+        x.max(axis=-1, keepdims=True) if shift_shape else x.max())
+    assert shift.shape == shift_shape
+    assert mx.array_equal(shifted_exp(x, shift), exp(x - shift)).item()
+    w = mx.random.normal(x.shape, key=mx.random.key(1))
+    ours = mx.grad(lambda a, b: (shifted_exp(a, b) * w).sum(), argnums=(0, 1))(x, shift)
+    theirs = mx.grad(lambda a, b: (mx.exp(a - b) * w).sum(), argnums=(0, 1))(x, shift)
+    for o, t in zip(ours, theirs):
+        assert o.shape == t.shape and mx.allclose(o, t, rtol=1e-5, atol=1e-5).item()
 
 
 def test_a_target_uses_them_for_blocks_and_only_rope_elsewhere(tiny_dir, monkeypatch):

@@ -53,9 +53,9 @@ LOWEST, HIGHEST = -87.0, 88.0  # exp(x) for x below LOWEST is 0 here (MLX: below
 
 
 @partial(mx.compile, shapeless=True)
-def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
-    """exp(x) = 2**t = 2**f * 2**n, t = n + f: (the polynomial's 2**f, the bits of 2**n)."""
-    t = mx.clip(x, LOWEST, HIGHEST) * LOG2_E
+def _exp_parts(x: mx.array, shift: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(x - shift) = 2**t = 2**f * 2**n, t = n + f: (the polynomial's 2**f, the bits of 2**n)."""
+    t = mx.clip(x - shift, LOWEST, HIGHEST) * LOG2_E
     n = (t + ROUNDING) - ROUNDING
     f = t - n
     power = EXP2_POLYNOMIAL[0]
@@ -65,20 +65,32 @@ def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
 
 
 @partial(mx.compile, shapeless=True)
-def _times_power_of_two(power: mx.array, two_to_n: mx.array, x: mx.array) -> mx.array:
-    return mx.where(x < LOWEST, 0.0, power * two_to_n)
+def _times_power_of_two(power: mx.array, two_to_n: mx.array, x: mx.array, shift: mx.array) -> mx.array:
+    return mx.where(x - shift < LOWEST, 0.0, power * two_to_n)
 
 
 @mx.custom_function
+def shifted_exp(x: mx.array, shift: mx.array) -> mx.array:
+    """``mx.exp(x - shift)`` of float32 ``x`` (``shift`` broadcasts to it), vectorized (see the
+    module's docstring), the subtraction inside its loops: a softmax's shifted scores are never
+    written out. -inf gives 0."""
+    power, bits = _exp_parts(x, shift)
+    return _times_power_of_two(power, bits.view(mx.float32), x, shift)  # (a view: the bits, read as floats)
+
+
+@shifted_exp.vjp
+def _shifted_exp_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> tuple[mx.array, mx.array]:
+    # (MLX has no gradient for a view: a draft trained on the CPU needs this)
+    grad = cotangent * output
+    shift = primals[1]
+    lead = grad.ndim - shift.ndim  # (the axes ``shift`` was broadcast over, summed back)
+    axes = [*range(lead), *(lead + i for i, n in enumerate(shift.shape) if n == 1 and grad.shape[lead + i] != 1)]
+    return grad, -grad.sum(axis=axes, keepdims=True).reshape(shift.shape)
+
+
 def exp(x: mx.array) -> mx.array:
-    """``mx.exp`` of float32 ``x``, vectorized (see the module's docstring). -inf gives 0."""
-    power, bits = _exp_parts(x)
-    return _times_power_of_two(power, bits.view(mx.float32), x)  # (a view: the bits, read as floats)
-
-
-@exp.vjp
-def _exp_vjp(primals: tuple, cotangent: mx.array, output: mx.array) -> mx.array:
-    return cotangent * output  # (MLX has no gradient for a view: a draft trained on the CPU needs this)
+    """``mx.exp`` of float32 ``x``, vectorized. -inf gives 0."""
+    return shifted_exp(x, mx.array(0.0, dtype=x.dtype))
 
 
 @partial(mx.compile, shapeless=True)
@@ -99,7 +111,7 @@ def logsumexp(x: mx.array) -> mx.array:
     if not _cpu_float32(x.dtype):
         return mx.logsumexp(x, axis=-1, keepdims=True)
     top = x.max(axis=-1, keepdims=True)
-    return top + mx.log(exp(x - top).sum(axis=-1, keepdims=True))
+    return top + mx.log(shifted_exp(x, top).sum(axis=-1, keepdims=True))
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -132,7 +144,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    weights = exp(scores - scores.max(axis=-1, keepdims=True))
+    weights = shifted_exp(scores, scores.max(axis=-1, keepdims=True))
     out = (weights @ values) / weights.sum(axis=-1, keepdims=True)
     return out.reshape(B, n_heads, L, D)
 
