@@ -3,9 +3,9 @@
 Requests wait in ``pending``; before each cycle the worker merges them into the batch (each
 prompt prefilled alone) and drops the rows whose client went away or whose text ended at a stop
 string, then runs one cycle for all rows and hands each request its committed tokens; a row
-that reached an EOS or its ``max_tokens`` in that cycle leaves at once. Every model call runs under the server's lock,
-one cycle at a time, so a generation outside the batch (a seeded request, or one that came
-alone) runs its cycles between the batch's.
+that reached an EOS or its ``max_tokens`` in that cycle leaves at once. Every model call runs
+under the server's lock, one cycle at a time, so a generation outside the batch (a seeded
+request, or one that came alone) runs its cycles between the batch's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class BatchRequest:
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)  # committed tokens per cycle; None: the end
     row: Optional[int] = None
     reused_prompt_tokens: int = 0
-    leaving: bool = False  # its text ended (a stop string) or its client went away: drop the row at the next cycle
+    leaving: bool = False  # a stop string ended its text or its client went away: drop the row next cycle
 
 
 class BatchWorker:
