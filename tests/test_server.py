@@ -397,10 +397,10 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
     served = Served(model, tokenizer, draft, NAME, CONTEXT, 1800)
 
     class FailingPrefill(BatchDecoder):
-        def add(self, prompt, max_tokens, params=None):
+        def add(self, prompt, max_tokens, params=None, eos=frozenset()):
             if max_tokens == 13:
                 raise RuntimeError("out of memory")
-            return super().add(prompt, max_tokens, params)
+            return super().add(prompt, max_tokens, params, eos)
 
     served.batch = FailingPrefill(model, draft, prefix_cache=served.prefix_cache)
     port = free_port()

@@ -51,6 +51,8 @@ class Row:
     tokens: list[int] = field(default_factory=list)  # committed so far (the prefill's token first)
     reused_prompt_tokens: int = 0  # restored from the prefix cache instead of prefilled
     params: Optional[SamplingParams] = None  # how it samples (None: greedy)
+    eos: frozenset = frozenset()  # tokens that end its text
+    ended: bool = False  # it committed one of them
 
     @property
     def remaining(self) -> int:
@@ -59,7 +61,7 @@ class Row:
 
     @property
     def done(self) -> bool:
-        return self.remaining <= 0
+        return self.ended or self.remaining <= 0
 
 
 @dataclass
@@ -119,10 +121,12 @@ class BatchDecoder:
         self.clock = CycleClock()  # (a cycle's cost for the policy, launches queued ahead or not)
         self.block_sizes: Counter[int] = Counter()  # cycles run per block size (``/health``)
 
-    def add(self, prompt: mx.array, max_tokens: int, params: Optional[SamplingParams] = None) -> Row:
+    def add(self, prompt: mx.array, max_tokens: int, params: Optional[SamplingParams] = None,
+            eos: frozenset = frozenset()) -> Row:
         """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
-        the prefill's token, its first output, is all it asked for); ``params``: how the row
-        samples (None or temperature 0: greedy)."""
+        the prefill's token, its first output, is all it asked for or one of ``eos``); ``params``:
+        how the row samples (None or temperature 0: greedy). The row leaves in the cycle that
+        commits its ``max_tokens``-th token or one of ``eos`` (tokens after it in that cycle included)."""
         if not batches(params):
             raise DFlashError("a batch's rows sample with temperature, top_p, top_k and min_p only: seeded "
                               "requests, logits processors and match acceptance run alone")
@@ -133,7 +137,8 @@ class BatchDecoder:
         logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
                                  prefix_cache=self.prefix_cache)
         first = int(first_token(params, logits[None], prompt).item())
-        row = Row(self._next_id, prompt.tolist(), max_tokens, first, prompt.size, [first], reused, params)
+        row = Row(self._next_id, prompt.tolist(), max_tokens, first, prompt.size, [first], reused, params, eos,
+                  first in eos)
         self._next_id += 1
         if not row.done:
             self._join(cache, collector.caches)
@@ -209,6 +214,7 @@ class BatchDecoder:
             row.length += a + 1
             committed = c[: a + 1][: row.remaining]
             row.tokens += committed
+            row.ended = any(t in row.eos for t in committed)
             row.first = c[a]
             out[row_id] = committed
         self._settle()
@@ -398,15 +404,10 @@ def batch_generate(model: nn.Module, prompts: list[list[int]], draft: DFlashDraf
     decoder = BatchDecoder(model, draft, block_size)
     outputs = []
     for prompt, limit in zip(prompts, max_tokens):
-        row = decoder.add(mx.array(prompt, dtype=mx.uint32), limit)
-        outputs.append(list(row.tokens))
-        if row.first in eos:
-            decoder.remove(row.id)
+        outputs.append(list(decoder.add(mx.array(prompt, dtype=mx.uint32), limit, eos=eos).tokens))
     while decoder.rows:
         for row, tokens in decoder.step().items():
             outputs[row] += tokens
-            if any(t in eos for t in tokens):
-                decoder.remove(row)
     return [until_eos(tokens, eos) for tokens in outputs]
 
 

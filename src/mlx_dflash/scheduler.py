@@ -108,7 +108,8 @@ class BatchWorker:
             if request.leaving:
                 continue
             try:
-                row = self.decoder.add(mx.array(request.prompt, dtype=mx.uint32), request.max_tokens, request.sampling)
+                row = self.decoder.add(mx.array(request.prompt, dtype=mx.uint32), request.max_tokens, request.sampling,
+                                       frozenset(request.text.eos))
             except Exception as exc:  # (its prefill failed: it fails alone, the batch goes on)
                 send(request, exc)
                 continue
@@ -126,13 +127,10 @@ class BatchWorker:
             return
         self.cycles, self.peak_rows = self.cycles + 1, max(self.peak_rows, len(self.active))
         for row, committed in self.decoder.step().items():
-            request = self.active[row]
-            # A row that reached its max_tokens or an EOS leaves now, not a cycle later: a request
-            # that comes next then finds the batch empty and runs alone (faster for one sequence).
-            ended = row not in self.decoder.rows or any(token in request.text.eos for token in committed)
-            if ended:
-                self.decoder.remove(row)
-                del self.active[row]
+            # A row that reached its max_tokens or an EOS left in this cycle, and leaves the worker
+            # before its client hears: a request that comes next then finds the batch empty and runs alone.
+            left = row not in self.decoder.rows
+            request = self.active.pop(row) if left else self.active[row]
             send(request, committed)
-            if ended:
+            if left:
                 send(request, None)
