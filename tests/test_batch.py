@@ -184,6 +184,39 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
     assert outputs[leaving] == references[2][: len(outputs[leaving])] and len(outputs[leaving]) < LIMITS[2]
 
 
+@pytest.mark.parametrize("queued", [False, True])
+def test_rows_that_end_at_eos_in_one_cycle_commit_nothing_after_it(pair, queued):
+    """Two rows reach an EOS in the same cycle (the same prompt: the same drafts and counts)
+    while the next cycle is queued: both leave in that cycle and neither gets tokens of the cycle
+    queued behind it (whose tokens would end them again), and the row beside them goes on undisturbed."""
+    model, draft, references = pair
+    twin, other = PROMPTS[2], PROMPTS[0]
+    reference = greedy_reference(model, twin, 40)
+    end = next(k for k in range(4, len(reference)) if reference[k] not in reference[:k])  # (first made there)
+    eos = frozenset(reference[end:]) - set(reference[:end])  # (what a row makes after its EOS ends it again)
+    decoder = BatchDecoder(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions())
+    rows = [decoder.add(mx.array(p), 40, eos=eos) for p in (twin, twin, other)]
+    outputs = {row.id: list(row.tokens) for row in rows}
+    seen_after_leaving, queued_at_end = [], []
+    while decoder.rows:
+        live = set(decoder.rows)
+        queued_at_end.append(decoder.queued is not None)
+        for row, tokens in decoder.step().items():
+            seen_after_leaving.append(row not in live)
+            outputs[row] += tokens
+    assert not any(seen_after_leaving)
+    assert [row.tokens for row in rows] == [outputs[row.id] for row in rows]  # (a row's record: what it reported)
+
+    def through_eos(tokens: list[int]) -> list[int]:
+        return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))]
+    for row, prompt in zip(rows, (twin, twin, other)):
+        tokens = outputs[row.id]
+        assert through_eos(tokens) == through_eos(greedy_reference(model, prompt, 40))[: len(through_eos(tokens))]
+        assert len(tokens) < len(through_eos(tokens)) + BLOCK  # (the ending cycle's later tokens at most)
+    assert len(through_eos(outputs[rows[0].id])) == end + 1
+    assert any(queued_at_end) == (queued and decoder.target.rolls_back_on_device)
+
+
 def sliding(draft: DFlashDraft, causal: bool) -> DFlashDraft:
     """The draft with a sliding window of 4 in its last layer, causal (v1's rule) or two-sided
     (``is_causal: false``, DFlash2's)."""

@@ -148,20 +148,29 @@ class BatchDecoder:
         return row
 
     def remove(self, row_id: int) -> None:
-        """The row leaves the batch (finished, or its client went away); a prefix cache keeps
-        its state: a chat's next turn resends this prompt and its reply."""
-        if row_id not in self.rows:
+        """The row leaves the batch (its client went away); a prefix cache keeps its state: a
+        chat's next turn resends this prompt and its reply."""
+        self._leave([row_id])
+
+    def _leave(self, row_ids: list[int]) -> None:
+        """Rows leave together: a queued cycle read first (once; their tokens of it dropped),
+        each row's state kept by the prefix cache, the caches cut to the other rows."""
+        if not any(r in self.rows for r in row_ids):
             return
         self._land()
-        self.landed.pop(row_id, None)
-        if row_id not in self.rows:  # (it finished in the cycle just read)
+        for row_id in row_ids:
+            self.landed.pop(row_id, None)
+        leaving = [r for r in row_ids if r in self.rows]  # (not those that finished in the cycle just read)
+        if not leaving:
             return
         if self.prefix_cache is not None:
-            self._keep_prefix(self.order.index(row_id), self.rows[row_id])
-            self.clock = CycleClock()  # (the next cycle's cost is timed from here: not this copy)
-        keep = [i for i, r in enumerate(self.order) if r != row_id]
+            for row_id in leaving:
+                self._keep_prefix(self.order.index(row_id), self.rows[row_id])
+            self.clock = CycleClock()  # (the next cycle's cost is timed from here: not these copies)
+        keep = [i for i, r in enumerate(self.order) if r not in leaving]
         self.order = [self.order[i] for i in keep]
-        self.rows.pop(row_id, None)
+        for row_id in leaving:
+            del self.rows[row_id]
         if not self.order:
             self.cache, self.context = [], []
             return
@@ -212,6 +221,8 @@ class BatchDecoder:
         for row_id, a, c in zip(self.order, accepted, choices):
             row = self.rows[row_id]
             row.length += a + 1
+            if row.done:  # (it finished in the cycle before, read early as it left: nothing more is its text)
+                continue
             committed = c[: a + 1][: row.remaining]
             row.tokens += committed
             row.ended = any(t in row.eos for t in committed)
@@ -219,8 +230,7 @@ class BatchDecoder:
             out[row_id] = committed
         self._settle()
         self._record(cycle, out, accepted)
-        for row_id in [r for r in self.order if self.rows[r].done]:
-            self.remove(row_id)
+        self._leave([r for r in self.order if self.rows[r].done])
         return out
 
     def _launch(self, first: mx.array, wanted: int) -> Launched:
