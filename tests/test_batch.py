@@ -6,6 +6,7 @@ drafts that make each row accept a different number of tokens every cycle."""
 import dataclasses
 import json
 import random
+from typing import Optional
 
 import mlx.core as mx
 import pytest
@@ -185,26 +186,45 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
 
 
 @pytest.mark.parametrize("queued", [False, True])
-def test_rows_that_end_at_eos_in_one_cycle_commit_nothing_after_it(pair, queued):
+def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pair, queued):
     """Two rows reach an EOS in the same cycle (the same prompt: the same drafts and counts)
-    while the next cycle is queued: both leave in that cycle and neither gets tokens of the cycle
-    queued behind it (whose tokens would end them again), and the row beside them goes on undisturbed."""
+    while the next cycle is queued; a third row joins just before it, which reads that cycle
+    early. Each finished row is in ``decoder.rows`` until the step that gives its last tokens
+    and never after it, gets nothing of a cycle read as it leaves (whose tokens would end it
+    again), and the row beside them goes on undisturbed."""
     model, draft, references = pair
-    twin, other = PROMPTS[2], PROMPTS[0]
+    def first_new(reference: list[int]) -> Optional[int]:  # (a token first made there, early enough to queue after)
+        return next((k for k in range(4, 24) if reference[k] not in reference[:k]), None)
+    twin = next(p for p in PROMPTS if first_new(greedy_reference(model, p, 40)) is not None)
+    other = PROMPTS[0] if twin != PROMPTS[0] else PROMPTS[1]
     reference = greedy_reference(model, twin, 40)
-    end = next(k for k in range(4, len(reference)) if reference[k] not in reference[:k])  # (first made there)
+    end = first_new(reference)
     eos = frozenset(reference[end:]) - set(reference[:end])  # (what a row makes after its EOS ends it again)
-    decoder = BatchDecoder(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions())
-    rows = [decoder.add(mx.array(p), 40, eos=eos) for p in (twin, twin, other)]
-    outputs = {row.id: list(row.tokens) for row in rows}
-    seen_after_leaving, queued_at_end = [], []
-    while decoder.rows:
-        live = set(decoder.rows)
-        queued_at_end.append(decoder.queued is not None)
-        for row, tokens in decoder.step().items():
-            seen_after_leaving.append(row not in live)
-            outputs[row] += tokens
-    assert not any(seen_after_leaving)
+
+    def decode(join_before: int) -> tuple[list, dict, list, int, list]:
+        decoder = BatchDecoder(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions())
+        rows = [decoder.add(mx.array(p), 40, eos=eos) for p in (twin, twin)]
+        outputs = {row.id: list(row.tokens) for row in rows}
+        misplaced, queued_then, twins_left = [], [], None
+        for step in range(200):
+            if step == join_before:
+                queued_then.append(decoder.queued is not None)
+                rows.append(decoder.add(mx.array(other), 40, eos=eos))
+                outputs[rows[-1].id] = list(rows[-1].tokens)
+            if not decoder.rows:
+                break
+            live = set(decoder.rows)
+            for row, tokens in decoder.step().items():
+                misplaced.append(row not in live)  # (given tokens after it left)
+                outputs[row] += tokens
+            misplaced += [r not in outputs or r not in live for r in set(live) - set(decoder.rows)]
+            if twins_left is None and rows[0].id not in decoder.rows:
+                twins_left = step
+        return rows, outputs, misplaced, twins_left, queued_then
+
+    twins_left = decode(join_before=-1)[3]
+    rows, outputs, misplaced, _, queued_then = decode(join_before=twins_left)
+    assert not any(misplaced)
     assert [row.tokens for row in rows] == [outputs[row.id] for row in rows]  # (a row's record: what it reported)
 
     def through_eos(tokens: list[int]) -> list[int]:
@@ -214,7 +234,12 @@ def test_rows_that_end_at_eos_in_one_cycle_commit_nothing_after_it(pair, queued)
         assert through_eos(tokens) == through_eos(greedy_reference(model, prompt, 40))[: len(through_eos(tokens))]
         assert len(tokens) < len(through_eos(tokens)) + BLOCK  # (the ending cycle's later tokens at most)
     assert len(through_eos(outputs[rows[0].id])) == end + 1
-    assert any(queued_at_end) == (queued and decoder.target.rolls_back_on_device)
+    assert queued_then == [queued and decoder_queues(model, draft)]
+
+
+def decoder_queues(model, draft) -> bool:
+    """Whether a batch of this target queues cycles ahead (targets with rotating caches do not)."""
+    return BatchDecoder(model, draft, BLOCK, None, None, QUEUED).target.rolls_back_on_device
 
 
 def sliding(draft: DFlashDraft, causal: bool) -> DFlashDraft:

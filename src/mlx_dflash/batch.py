@@ -196,11 +196,14 @@ class BatchDecoder:
     def step(self) -> dict[int, list[int]]:
         """One cycle for every row: draft, verify (one forward), accept, roll back, commit; the
         tokens each row committed, by row id. A cycle read early (rows joined or left while it was
-        queued: ``_land``) gives its tokens instead, and the next call runs a cycle again."""
+        queued: ``_land``) gives its tokens instead, and the next call runs a cycle again. The rows
+        that finished leave here, in the step that gives their last tokens, never between steps."""
         if self.landed or not self.order:
             out, self.landed = self.landed, {}
-            return out
-        return self._cycle(queue_next=True)
+        else:
+            out = self._cycle(queue_next=True)
+        self._leave([r for r in self.order if self.rows[r].done])
+        return out
 
     def _cycle(self, queue_next: bool) -> dict[int, list[int]]:
         """Read the queued cycle, or launch one and read it; with ``queue_next``, queue the next first."""
@@ -230,7 +233,6 @@ class BatchDecoder:
             out[row_id] = committed
         self._settle()
         self._record(cycle, out, accepted)
-        self._leave([r for r in self.order if self.rows[r].done])
         return out
 
     def _launch(self, first: mx.array, wanted: int) -> Launched:
