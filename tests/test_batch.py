@@ -185,13 +185,14 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
     assert outputs[leaving] == references[2][: len(outputs[leaving])] and len(outputs[leaving]) < LIMITS[2]
 
 
-@pytest.mark.parametrize("queued", [False, True])
-def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pair, queued):
+@pytest.mark.parametrize("queued, adaptive", [(False, False), (True, False), (True, True)])
+def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pair, queued, adaptive):
     """Two rows reach an EOS in the same cycle (the same prompt: the same drafts and counts)
     while the next cycle is queued; a third row joins just before it, which reads that cycle
     early. Each finished row is in ``decoder.rows`` until the step that gives its last tokens
     and never after it, gets nothing of a cycle read as it leaves (whose tokens would end it
-    again), and the row beside them goes on undisturbed."""
+    again), and the row beside them goes on undisturbed; ``adaptive``: a policy learns from the
+    cycles, the one read early too (whose first row had finished)."""
     model, draft, references = pair
     def first_new(reference: list[int]) -> Optional[int]:  # (a token first made there, early enough to queue after)
         return next((k for k in range(4, 24) if reference[k] not in reference[:k]), None)
@@ -202,7 +203,8 @@ def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pai
     eos = frozenset(reference[end:]) - set(reference[:end])  # (what a row makes after its EOS ends it again)
 
     def decode(join_before: int) -> tuple[list, dict, list, int, list]:
-        decoder = BatchDecoder(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions())
+        decoder = BatchDecoder(model, draft, BLOCK, None, BlockPolicy(BLOCK) if adaptive else None,
+                               QUEUED if queued else EngineOptions())
         rows = [decoder.add(mx.array(p), 40, eos=eos) for p in (twin, twin)]
         outputs = {row.id: list(row.tokens) for row in rows}
         misplaced, queued_then, twins_left = [], [], None

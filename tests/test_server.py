@@ -4,6 +4,7 @@ import asyncio
 import json
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,6 +19,8 @@ from mlx_dflash import SamplingParams, create_random_draft, generate
 from mlx_dflash.batch import BatchDecoder
 from mlx_dflash.generate import TextStream
 from mlx_dflash.mlx_thread import MLXThread
+from mlx_dflash.options import EngineOptions
+from mlx_dflash.policy import BlockPolicy
 from mlx_dflash.scheduler import BatchRequest, BatchWorker
 from mlx_dflash.server import Served, create_app
 
@@ -186,6 +189,49 @@ def test_a_row_that_reaches_eos_leaves_the_batch_in_that_cycle(tiny_dir):
         worker.thread.close()
     assert (text.tokens, text.finish_reason) == (solo[:end], "stop")  # (the EOS ends it, not in the text)
     assert not busy
+
+
+def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_dir):
+    """Clients each send requests in turn to a batch that queues cycles ahead (as on GPUs) and
+    chooses block sizes: many EOS ids make rows end often, several in one cycle and in cycles
+    read early as others join. Every reply is the request's solo reply, and the worker stays whole."""
+    path = make_tiny_target(tiny_dir / "eos-batch-llama", "llama")
+    model, tokenizer = load_tiny(path)
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
+    prompts = [list(range(30 + k, 36 + 3 * k)) for k in range(12)]
+    tokenizer.eos_token_ids = set()
+    runs = [generate(model, tokenizer, p, draft, max_tokens=24).tokens for p in prompts]
+    counts = Counter(t for run in runs for t in run[2:])
+    tokenizer.eos_token_ids = {t for t, _ in counts.most_common(6)}  # (common: rows end often, many together)
+    solo = [generate(model, tokenizer, p, draft, max_tokens=24).tokens for p in prompts]
+    options = EngineOptions(queue_ahead=True, compile_blocks=True)
+    decoder = BatchDecoder(model, draft, 8, policy=BlockPolicy(8), options=options)
+    worker = BatchWorker(decoder, asyncio.Lock(), MLXThread(), max_rows=4)
+
+    async def client(mine: list[int]) -> list[list[int]]:
+        replies = []
+        for i in mine:
+            text = TextStream(tokenizer, mx.array(prompts[i]), 24)
+
+            async def connected() -> bool:
+                return False
+            async for _ in worker.stream(BatchRequest(prompts[i], 24, text), connected):
+                pass
+            replies.append(text.tokens)
+        return replies
+
+    async def clients() -> list:
+        return await asyncio.gather(*(client(list(range(c, len(prompts), 4))) for c in range(4)))
+
+    try:
+        replies = asyncio.run(clients())
+    finally:
+        worker.thread.close()
+    assert decoder.target.rolls_back_on_device and not worker.busy
+    assert {i: reply for c, rs in enumerate(replies) for i, reply in zip(range(c, len(prompts), 4), rs)} == {
+        i: tokens for i, tokens in enumerate(solo)}
+    assert sum(len(t) < 24 for t in solo) >= 6  # (most ended at an EOS)
 
 
 def test_chat_streaming_equals_generate(server):

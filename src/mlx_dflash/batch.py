@@ -290,14 +290,15 @@ class BatchDecoder:
 
     def _record(self, cycle: Launched, out: dict[int, list[int]], accepted: list[int]) -> None:
         """The policy learns the cycle's cost (the whole batch's) and every row's acceptance."""
-        if self.policy is None:
+        lead = out.get(self.order[0])  # (None: the first row had finished, a cycle read as rows left)
+        if self.policy is None or lead is None:
             return
         seconds = self.clock.cycle_seconds(cycle.launch_seconds)
         if cycle.guess is not None:  # plain steps: the first row's forecast checked against its tokens
-            self.policy.record_cycle(cycle.size, out[self.order[0]], seconds, cycle.guess.tolist())
+            self.policy.record_cycle(cycle.size, lead, seconds, cycle.guess.tolist())
         else:
             self.policy.record_rows(cycle.size, [a + 1 for a in accepted], seconds)
-            self.policy.observe(out[self.order[0]])  # (a forecast's later guesses: the first row's tokens)
+            self.policy.observe(lead)  # (a forecast's later guesses: the first row's tokens)
 
     def _land(self) -> None:
         """Read a queued cycle now (rows are about to join or leave); the next ``step`` gives its tokens."""
