@@ -3,16 +3,20 @@ short blocks when a verify costs more with each token and the draft is weak; tre
 measured tokens per second beat the chain's. (Policies without trees where a test is about chains.)"""
 
 import itertools
+import json
+import time
 
 import mlx.core as mx
 
 import pytest
-from tiny_models import VOCAB_SIZE, tiny_pair
+from tiny_models import MASK_ID, VOCAB_SIZE, load_tiny, make_tiny_target, tiny_pair
 
-from mlx_dflash import EngineOptions, generate
+from mlx_dflash import EngineOptions, create_random_draft, generate, stream_generate
+from mlx_dflash.batch import BatchDecoder
 from mlx_dflash import policy as policy_module
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import PROBE_MAX, PROBE_START, WARMUP_CYCLES, BlockPolicy, candidate_sizes, check_tree_budget
+from mlx_dflash.policy import (PROBE_MAX, PROBE_START, WARMUP_CYCLES, BlockPolicy, CycleClock, candidate_sizes,
+                               check_tree_budget)
 from mlx_dflash.replay import ReplayProposer
 
 
@@ -278,6 +282,48 @@ def test_adaptive_output_is_unchanged(tiny_dir):
     assert shared.samples.get(1, 0) > 0 and shared.samples.get(16, 0) > 0
     with pytest.raises(DFlashError, match="blocks of up to 16, not 8"):
         generate(model, tokenizer, prompt, proposer, max_tokens=10, block_size=8, adaptive=shared)
+
+
+def test_the_callers_time_with_the_tokens_is_not_a_cycles_cost(tiny_dir):
+    """A consumer that keeps each cycle's tokens a while (a server running its batch's cycles
+    between a lone generation's) does not make the policy believe that wait is what a size
+    costs; a short hand-over is still timed, and both ways give the same tokens."""
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-away", "qwen3", "away", 40)
+    beliefs = {}
+    for away in (0.0, 0.25):
+        policy = BlockPolicy(16, tree_budgets=())
+        proposer = ReplayProposer(prompt + reference, 16, [None, 0, 5], VOCAB_SIZE)
+        tokens = []
+        for response in stream_generate(model, tokenizer, prompt, proposer, max_tokens=40, adaptive=policy):
+            tokens += response.tokens
+            time.sleep(away)
+        assert tokens == reference[:40]
+        beliefs[away] = policy
+    assert beliefs[0.0].seconds and beliefs[0.25].samples  # (cycles of known sizes ran both ways)
+    assert not beliefs[0.25].seconds  # (every window was mostly the consumer's: nothing timed)
+    clock = CycleClock()
+    time.sleep(0.02)
+    clock.pause()
+    time.sleep(0.005)
+    clock.resume()
+    assert clock.cycle_seconds(0.0) >= 0.025  # (a short hand-over: timed, with it)
+
+
+def test_the_time_between_a_batchs_steps_is_not_a_cycles_cost(tiny_dir):
+    """The same for the batch decoder: a server's work between two of its steps (a lone
+    generation's cycles) is not what the batch's cycles cost."""
+    path = make_tiny_target(tiny_dir / "policy-batch-away", "qwen3")
+    model, _ = load_tiny(path)
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, block_size=8, mask_token_id=MASK_ID)
+    policy = BlockPolicy(8)
+    decoder = BatchDecoder(model, draft, 8, policy=policy)
+    for prompt in ([40, 41, 42], [50, 51, 52, 53]):
+        decoder.add(mx.array(prompt), 16)
+    while decoder.rows:
+        decoder.step()
+        time.sleep(0.1)
+    assert policy.samples and not policy.seconds
 
 
 def test_short_generations_choose_whole_sizes_that_fit(tiny_dir):

@@ -198,11 +198,13 @@ class BatchDecoder:
         tokens each row committed, by row id. A cycle read early (rows joined or left while it was
         queued: ``_land``) gives its tokens instead, and the next call runs a cycle again. The rows
         that finished leave here, in the step that gives their last tokens, never between steps."""
+        self.clock.resume()
         if self.landed or not self.order:
             out, self.landed = self.landed, {}
         else:
             out = self._cycle(queue_next=True)
         self._leave([r for r in self.order if self.rows[r].done])
+        self.clock.pause()  # (the caller's time between steps, a server's other work, is not a cycle's cost)
         return out
 
     def _cycle(self, queue_next: bool) -> dict[int, list[int]]:

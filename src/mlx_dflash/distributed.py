@@ -85,9 +85,12 @@ def _sum(array: mx.array, group: Group) -> mx.array:
     return total
 
 
-def from_rank_zero(seconds: float, group: Group) -> float:
-    """Process 0's value everywhere (the policy's timings: each process measures its own)."""
-    return _sum(mx.array(seconds if group.rank() == 0 else 0.0, mx.float32), group).item()
+def from_rank_zero(seconds: Optional[float], group: Group) -> Optional[float]:
+    """Process 0's value everywhere (the policy's timings: each process measures its own; None:
+    not timed)."""
+    mine = (-1.0 if seconds is None else seconds) if group.rank() == 0 else 0.0
+    value = _sum(mx.array(mine, mx.float32), group).item()
+    return None if value < 0 else value
 
 
 def shared_seed(group: Group) -> int:

@@ -63,6 +63,10 @@ SLOT_DECAY = 0.98
 # made plain decoding look dearer than useless full blocks for a whole text. A lasting change
 # still gets through, by up to 10% a cycle.
 SPIKE_CAP = 1.5
+# A cycle during whose window the caller kept the tokens for more than this share of it is not
+# timed: the wait was other work (a server runs its batch's cycles between a lone generation's),
+# not the cycle's cost, and a few such cycles taught a lone generation's policy to shun blocks.
+AWAY_SHARE = 0.5
 # The trees a policy asked for trees (``trees=True``) may verify instead of a full block (budgets:
 # drafted nodes). A tree costs more to verify than the block's chain and commits at least about
 # what the chain does; probed like a larger block, one budget up at a time. Off by default: on the
@@ -278,9 +282,10 @@ class BlockPolicy:
             self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
             self.forecast_is_probe = False
 
-    def record_cycle(self, block: int, committed: list[int], seconds: float, guess: Optional[list[int]]) -> None:
+    def record_cycle(self, block: int, committed: list[int], seconds: Optional[float],
+                     guess: Optional[list[int]]) -> None:
         """One finished cycle of ``block`` tokens that committed ``committed`` (its accepted
-        drafts and the bonus token) in ``seconds``; ``guess``: what its draft proposed past
+        drafts and the bonus token) in ``seconds`` (None: not timed); ``guess``: what its draft proposed past
         the verified tokens (a forecast beside a plain step, or one token past a short block),
         checked against the tokens still to come."""
         forecast = guess is not None and block == 1  # (its time holds a draft pass)
@@ -291,12 +296,13 @@ class BlockPolicy:
         else:
             self.observe(committed)
 
-    def record(self, block: int, acceptance: int, seconds: float, forecast: bool = False) -> None:
+    def record(self, block: int, acceptance: int, seconds: Optional[float], forecast: bool = False) -> None:
         """One finished cycle: its block size (possibly cut short by max_tokens), a + 1, wall
         time; ``forecast``: it also drafted a forecast, so its time is not its size's."""
         self.record_rows(block, [acceptance], seconds, forecast)
 
-    def record_rows(self, block: int, acceptances: list[int], seconds: float, forecast: bool = False) -> None:
+    def record_rows(self, block: int, acceptances: list[int], seconds: Optional[float], forecast: bool = False
+                    ) -> None:
         """One finished cycle of a batch: every row's a + 1 (the acceptance the policy expects is
         the rows' mean: one cost buys them all), the cycle's wall time."""
         self.cycles += 1
@@ -323,7 +329,7 @@ class BlockPolicy:
         if accepted + 1 < block:  # the first rejected slot
             self.slot_checked[accepted + 1] += 1
 
-    def _time(self, block: int, seconds: float, forecast: bool) -> None:
+    def _time(self, block: int, seconds: Optional[float], forecast: bool) -> None:
         """A cycle's wall time: its size's cost, where it is that size's steady cost."""
         steady, self.previous_block = self.previous_block == block, block
         if block not in self.sizes:  # a block of another size (a caller's own limit): no cost to learn
@@ -339,11 +345,12 @@ class BlockPolicy:
         # at once. Dearer cycles only move the
         # average a little: one-off costs (a new compiled trace when the key buffers grow, the
         # machine's hiccups) only ever make a cycle dearer.
-        if steady and not forecast:
+        timed = steady and not forecast and seconds is not None
+        if timed:
             old = self.seconds.get(block)
             fresh = old is None or (self.timed_previous != block and seconds < old)
             self.seconds[block] = seconds if fresh else 0.8 * old + 0.2 * min(seconds, SPIKE_CAP * old)
-        self.timed_previous = block if steady and not forecast else None
+        self.timed_previous = block if timed else None
         if block == self.probing and steady:  # a probe lost: look less often; it won: it is the new best
             self.probing = None
             if block > 1:
@@ -361,18 +368,35 @@ class CycleClock:
     (on a GPU most of the window: the host is the bottleneck, so a plain step followed by a
     block would be charged the block's launch, and the block a plain step's). A launch is
     graph building and, on the CPU, most of the run (there ``mx.async_eval`` of a large graph
-    returns only near its end)."""
+    returns only near its end). The time the caller keeps the tokens (``pause`` to ``resume``)
+    is in the window too: a window that is mostly that is not timed."""
 
     def __init__(self) -> None:
         self.synced = time.perf_counter()
         self.launched = 0.0  # host seconds of the launches since the latest sync
+        self.away = 0.0  # seconds the caller kept the tokens since the latest sync
+        self.paused: Optional[float] = None
 
     def add_launch(self, seconds: float) -> None:
         self.launched += seconds
 
-    def cycle_seconds(self, own_launch: float) -> float:
-        """The cycle just read (its launch took ``own_launch``); starts the next window."""
+    def pause(self) -> None:
+        """The tokens go to the caller (a generator yields them)."""
+        self.paused = time.perf_counter()
+
+    def resume(self) -> None:
+        """The caller asks for the next cycle."""
+        if self.paused is not None:
+            self.away += time.perf_counter() - self.paused
+            self.paused = None
+
+    def cycle_seconds(self, own_launch: float) -> Optional[float]:
+        """The cycle just read (its launch took ``own_launch``); starts the next window. None:
+        not timed (the caller kept the tokens for most of the window)."""
         now = time.perf_counter()
-        seconds = now - self.synced - self.launched + own_launch
-        self.synced, self.launched = now, 0.0
-        return seconds
+        window, away = now - self.synced, self.away
+        if self.paused is not None:  # (read while the caller has it: a batch's queued cycle read as rows join)
+            away, self.paused = away + now - self.paused, now
+        seconds = window - self.launched + own_launch
+        self.synced, self.launched, self.away = now, 0.0, 0.0
+        return None if away > AWAY_SHARE * window else seconds

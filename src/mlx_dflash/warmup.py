@@ -54,7 +54,8 @@ class ScriptedSizes:
             size = self.block_size
         return max(min(size, limit or size), 1)
 
-    def record_cycle(self, block: int, committed: list[int], seconds: float, guess: Optional[list[int]]) -> None:
+    def record_cycle(self, block: int, committed: list[int], seconds: Optional[float],
+                     guess: Optional[list[int]]) -> None:
         if self.teaches is not None:
             self.teaches.record_cycle(block, committed, seconds, guess)
 
