@@ -2,6 +2,7 @@
 server one request at a time, and mlx-lm's batched server (no draft), side by side on one machine.
 
     python benchmarks/serve.py [--model M] [--draft D] [--clients 1 4 8 16] [--requests 2] [--max-tokens 128]
+        [--also-fixed]
 
 Each server runs in a process of its own on loopback (started, warmed with short requests at
 each client count and one lone request of the full length, timed, stopped, one after the
@@ -10,7 +11,8 @@ requests (HumanEval prompts, one after the other) through the official ``openai`
 Reported per server and C: completion tokens per second over the wall time of all C clients, and the median and 95th percentile of the time to first token and of the time
 per output token after it, and how many replies ran to ``--max-tokens`` (often loops, easy to draft:
 they flatter a speculative server's aggregate) with their share of the tokens. Markdown on stdout;
-``--json FILE`` keeps every request's figures.
+``--json FILE`` keeps every request's figures. ``--also-fixed``: our two servers also with fixed
+full blocks (``serve --no-adaptive``), to tell the adaptive policy's part.
 """
 
 import argparse
@@ -39,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--json", default=None, help="write every request's figures here")
+    parser.add_argument("--also-fixed", action="store_true", help="our servers with fixed blocks too")
     return parser.parse_args()
 
 
@@ -108,6 +111,9 @@ def main() -> None:
     servers = {
         "mlx-dflash, batched": ours + ["--decode-concurrency", str(most)],
         "mlx-dflash, one at a time": ours + ["--decode-concurrency", "1"],
+        **({"mlx-dflash, batched, fixed blocks": ours + ["--decode-concurrency", str(most), "--no-adaptive"],
+            "mlx-dflash, one at a time, fixed blocks": ours + ["--decode-concurrency", "1", "--no-adaptive"]}
+           if args.also_fixed else {}),
         "mlx_lm.server, batched, no draft": [sys.executable, "-m", "mlx_lm.server", "--model", model,
                                              "--port", str(args.port), "--decode-concurrency", str(most)],
     }
