@@ -194,6 +194,7 @@ def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pai
     again), and the row beside them goes on undisturbed; ``adaptive``: a policy learns from the
     cycles, the one read early too (whose first row had finished)."""
     model, draft, references = pair
+
     def first_new(reference: list[int]) -> Optional[int]:  # (a token first made there, early enough to queue after)
         return next((k for k in range(4, 24) if reference[k] not in reference[:k]), None)
     twin = next(p for p in PROMPTS if first_new(greedy_reference(model, p, 40)) is not None)
@@ -216,10 +217,11 @@ def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pai
             if not decoder.rows:
                 break
             live = set(decoder.rows)
-            for row, tokens in decoder.step().items():
+            out = decoder.step()
+            for row, tokens in out.items():
                 misplaced.append(row not in live)  # (given tokens after it left)
                 outputs[row] += tokens
-            misplaced += [r not in outputs or r not in live for r in set(live) - set(decoder.rows)]
+            misplaced += [r not in out for r in live - set(decoder.rows)]  # (left in a step not giving its last tokens)
             if twins_left is None and rows[0].id not in decoder.rows:
                 twins_left = step
         return rows, outputs, misplaced, twins_left, queued_then
