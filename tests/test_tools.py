@@ -117,6 +117,7 @@ def test_batch_costs(pair):
     rows = [line.split(" | ")[:2] for line in out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert rows == [["| 1", "read each cycle"], ["| 1", "queued ahead"], ["| 2", "read each cycle"], ["| 2", "queued ahead"]]
     assert out.count("both ways gave the same tokens: True") == 2
+    assert [line.split(": a join takes")[0] for line in out.splitlines() if "a join takes" in line] == ["(rows=1", "(rows=2"]
 
 
 @pytest.mark.parametrize("blocks", [[], ["--fixed", "--block-size", "4"]], ids=["adaptive", "fixed-4"])
@@ -126,6 +127,9 @@ def test_batch_pattern(pair, blocks):
                    "--max-tokens", "6", *blocks)
     assert out.splitlines()[0].startswith("4 requests from 2 clients")
     assert "batch / one at a time" in out and "same replies: 4/4" in out, out
+    steady, after = out.split("cycles with no join or leave before them: ")[1].split("\n")[0].split("; right after one: ")
+    cycles = int(out.split(" cycles, ")[0].split("\n")[-1])
+    assert int(steady.split(",")[0]) + int(after.split(",")[0]) == cycles and int(after.split(",")[0]) >= 1
     if blocks:
         sizes = out.split("block sizes ")[1].split("\n")[0]
         assert set(ast.literal_eval(sizes)) <= {1, 2, 3, 4}, sizes  # (a row's last block may be shorter)

@@ -7,10 +7,13 @@ The first R HumanEval prompts as chat prompts join before the first cycle and de
 in fixed full blocks, each to ``--max-tokens`` (the decoder stops rows at their max_tokens
 only, so there are R rows all along). Per row count and way, alternating, the best of
 ``--repeats``: decode tok/s over all rows (prefills excluded), ms per cycle and tokens
-committed per row and cycle; and whether both ways gave every row the same tokens.
+committed per row and cycle; and whether both ways gave every row the same tokens. Then what a
+join costs there: 8 more prompts, one at a time, each prefilled alone and merged into R - 1
+decoding rows (cycles queued ahead: the one queued is read first), median ms.
 """
 
 import argparse
+import statistics
 import time
 
 import mlx.core as mx
@@ -31,7 +34,8 @@ args = parser.parse_args()
 
 use_fast_blas()
 model, tokenizer, draft = load(args.model, args.draft)
-prompts = [encode_prompt(tokenizer, text, chat=True) for text in humaneval_prompts()[: max(args.rows)]]
+JOINS = 8
+prompts = [encode_prompt(tokenizer, text, chat=True) for text in humaneval_prompts()[: max(args.rows) + JOINS]]
 WAYS = {"read each cycle": EngineOptions(queue_ahead=False), "queued ahead": EngineOptions(queue_ahead=True)}
 
 
@@ -50,6 +54,24 @@ def decode(decoder: BatchDecoder, rows: int) -> tuple[float, int, list[list[int]
     return time.perf_counter() - tic, cycles, list(outputs.values())
 
 
+def join_seconds(decoder: BatchDecoder, rows: int) -> list[float]:
+    """Seconds of each of ``JOINS`` joins into ``rows - 1`` rows that are decoding."""
+    for prompt in prompts[: rows - 1]:
+        decoder.add(prompt, args.max_tokens)
+    seconds = []
+    for prompt in prompts[-JOINS:]:
+        decoder.step()
+        decoder.step()  # (a cycle queued again)
+        mx.synchronize()
+        tic = time.perf_counter()
+        row = decoder.add(prompt, args.max_tokens)
+        mx.synchronize()
+        seconds.append(time.perf_counter() - tic)
+        decoder.remove(row.id)
+    decoder.clear()
+    return seconds
+
+
 print("| rows | way | decode tok/s | ms a cycle | tokens a row and cycle |\n|---|---|---|---|---|")
 for rows in args.rows:
     decoders = {way: BatchDecoder(model, draft, options=options) for way, options in WAYS.items()}
@@ -66,3 +88,6 @@ for rows in args.rows:
     for way, (seconds, cycles, tokens) in best.items():
         print(f"| {rows} | {way} | {tokens / seconds:.1f} | {1e3 * seconds / cycles:.2f} | {tokens / rows / cycles:.2f} |")
     print(f"(rows={rows}: both ways gave the same tokens: {len({str(t) for t in texts.values()}) == 1})")
+    joiner = decoders["queued ahead"]
+    join_seconds(joiner, rows)  # (its prefill shapes built)
+    print(f"(rows={rows}: a join takes {1e3 * statistics.median(join_seconds(joiner, rows)):.2f} ms, median of {JOINS})")

@@ -11,12 +11,14 @@ policy (``--fixed``: full blocks of ``--block-size``) and prefix cache; alone, e
 single-sequence engine with a policy of its own that carries over and a prefix cache, as a
 server serving one at a time. Both ways run once untimed first (kernels built, policies taught), then timed. Reported:
 tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
-leaves, the cycles' block sizes, rows a cycle and tokens a row and cycle, and what its policy
+leaves (and of the cycles, the median of those with no join or leave just before them against
+the seconds of those right after one), the cycles' block sizes, rows a cycle and tokens a row and cycle, and what its policy
 believed at the end (cost a cycle per size and row count, expected tokens a row per size); and
 how many replies are the same both ways (float32: all).
 """
 
 import argparse
+import statistics
 import time
 from collections import Counter
 
@@ -50,13 +52,16 @@ def prefix_cache() -> PrefixCache:
     return PrefixCache(parse_bytes(DEFAULT_SIZE))
 
 
-def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter, Counter]:
-    """(wall seconds, every request's reply, seconds per part and tokens the cycles committed, rows per cycle)."""
+def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter, Counter, list[float]]:
+    """(wall seconds, every request's reply, seconds per part and tokens the cycles committed, rows per cycle,
+    the seconds of each cycle with no join or leave just before it)."""
     waiting = {c: list(range(c, len(prompts), args.clients)) for c in range(args.clients)}
-    replies, client_of, parts, rows = {}, {}, Counter(), Counter()
-    left: set[int] = set()  # rows whose client sent its next request (a row's last tokens may come a step later)
+    replies, client_of, parts, rows, steady = {}, {}, Counter(), Counter(), []
+    changed = False  # rows joined or left since the latest cycle
 
     def join(client: int) -> None:
+        nonlocal changed
+        changed = True
         while waiting[client]:
             request = waiting[client].pop(0)
             tic = time.perf_counter()
@@ -74,7 +79,13 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
     while decoder.rows:
         start = time.perf_counter()
         committed = decoder.step()
-        parts["cycles"] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        parts["cycles"] += seconds
+        if changed:
+            parts["cycles after a change"] += seconds
+        else:
+            steady.append(seconds)
+        changed = False
         rows[len(committed)] += 1
         parts["tokens"] += sum(map(len, committed.values()))  # (not seconds: a count)
         for row_id, tokens in committed.items():
@@ -84,11 +95,11 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
                 start = time.perf_counter()
                 decoder.remove(row_id)
                 parts["leaves"] += time.perf_counter() - start
-            if row_id not in decoder.rows and row_id not in left:
-                left.add(row_id)
+                changed = True
+            if row_id not in decoder.rows:  # (it left: in this step, or just now)
                 join(client)
     mx.synchronize()
-    return time.perf_counter() - tic, {r: until_eos(t, EOS) for r, t in replies.items()}, parts, rows
+    return time.perf_counter() - tic, {r: until_eos(t, EOS) for r, t in replies.items()}, parts, rows, steady
 
 
 def alone(policy) -> tuple[float, dict[int, list[int]]]:
@@ -110,7 +121,7 @@ batched(decoder)
 alone(solo_policy)
 decoder.block_sizes.clear()
 decoder.prefix_cache = prefix_cache()  # (the timed run meets the prompts afresh)
-wall, replies, parts, rows = batched(decoder)
+wall, replies, parts, rows, steady = batched(decoder)
 solo_wall, solo_replies = alone(solo_policy)
 tokens = sum(len(t) for t in replies.values())
 cycles = max(sum(rows.values()), 1)
@@ -118,6 +129,9 @@ print(f"{len(prompts)} requests from {args.clients} clients, {tokens} tokens, "
       f"{sum(len(t) == args.max_tokens for t in replies.values())} at --max-tokens")
 print(f"batch: {tokens / wall:.1f} tok/s; joins {parts['joins']:.2f} s, cycles {parts['cycles']:.2f} s, "
       f"leaves {parts['leaves']:.2f} s of {wall:.2f} s")
+print(f"  cycles with no join or leave before them: {len(steady)}, median "
+      f"{1e3 * statistics.median(steady) if steady else 0:.2f} ms; right after one: "
+      f"{sum(rows.values()) - len(steady)}, {parts['cycles after a change']:.2f} s")
 row_cycles = max(sum(n * c for n, c in rows.items()), 1)
 print(f"  {sum(rows.values())} cycles, {row_cycles / cycles:.2f} rows a cycle, "
       f"{parts['tokens'] / row_cycles:.2f} tokens a row and cycle; "

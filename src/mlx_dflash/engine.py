@@ -250,6 +250,12 @@ class BlockRunner:
         self.target.settle(self.cache, in_context + (queued.size if queued is not None else 0), exact)
         self.proposer.settle(in_context)
 
+    def hand_over(self, cycle: Cycle) -> Iterator[Cycle]:
+        """Give ``cycle`` to the caller: the time it keeps it is not the next cycle's cost."""
+        self.clock.pause()
+        yield cycle
+        self.clock.resume()
+
     def record(self, block: Block, committed: list[int]) -> None:
         """The policy learns the cycle's cost and acceptance (and checks its guesses)."""
         if self.policy is not None:
@@ -291,9 +297,7 @@ def decode_cycles(
     runner = BlockRunner(target, proposer, cache, block_size, sampling, policy, prompt.tolist(), tree_budget)
     exact = True  # whether the caches hold just the committed tokens (but the latest)
     try:
-        runner.clock.pause()  # (the caller's time with the tokens is not the next cycle's cost)
-        yield Cycle([latest], None, reused_prompt_tokens=reused)
-        runner.clock.resume()
+        yield from runner.hand_over(Cycle([latest], None, reused_prompt_tokens=reused))
         block = runner.launch(first, *runner.next_size(max_tokens - emitted)) if emitted < max_tokens else None
         exact = block is None
         while block is not None:
@@ -322,9 +326,7 @@ def decode_cycles(
                 block, exact = None, queued is None and len(committed) == a + 1
             else:
                 block, exact = queued or runner.launch(first, *(choice or runner.next_size(max_tokens - emitted))), False
-            runner.clock.pause()
-            yield cycle
-            runner.clock.resume()
+            yield from runner.hand_over(cycle)
     finally:  # (also when the caller stops early: a stop string, a client gone; not after an error)
         if prefix_cache is not None and sys.exc_info()[0] in (None, GeneratorExit):
             prefix_cache.store(target, proposer, cache, runner.history, exact)
