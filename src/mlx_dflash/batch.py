@@ -292,10 +292,12 @@ class BatchDecoder:
 
     def _record(self, cycle: Launched, out: dict[int, list[int]], accepted: list[int]) -> None:
         """The policy learns the cycle's cost (the whole batch's) and every row's acceptance."""
-        lead = out.get(self.order[0])  # (None: the first row had finished, a cycle read as rows left)
-        if self.policy is None or lead is None:
+        if self.policy is None:
             return
-        seconds = self.clock.cycle_seconds(cycle.launch_seconds)
+        seconds = self.clock.cycle_seconds(cycle.launch_seconds)  # (and the next cycle's window starts)
+        lead = out.get(self.order[0])  # (None: the first row had finished, a cycle read as rows left)
+        if lead is None:
+            return
         if cycle.guess is not None:  # plain steps: the first row's forecast checked against its tokens
             self.policy.record_cycle(cycle.size, lead, seconds, cycle.guess.tolist())
         else:
