@@ -50,15 +50,18 @@ class PlantedDrafts(BatchDecoder):
 
     def _draft(self, first: mx.array, L: int) -> tuple[mx.array, dict]:
         super()._draft(first, L)
-        width = max(len(self.references[r]) for r in self.order) + L
-        continuations = mx.array([(self.references[r] + [0] * width)[:width] for r in self.order], dtype=mx.uint32)
-        done = self.context[0].position - mx.array([len(self.rows[r].prompt) - 1 for r in self.order])
+        references = [self.references.get(row.id, []) for row in self.slots]  # (an idle slot's: none)
+        width = max(map(len, references)) + L
+        continuations = mx.array([(r + [0] * width)[:width] for r in references], dtype=mx.uint32)
+        done = mx.minimum(self.context[0].position - mx.array([len(row.prompt) - 1 for row in self.slots]), width - L)
         slots = mx.take_along_axis(continuations, done[:, None] + mx.arange(L - 1), axis=1)
-        wrong = mx.array([self.rng.randrange(L) for _ in self.order])[:, None] == mx.arange(L - 1)  # (L - 1: all right)
+        wrong = mx.array([self.rng.randrange(L) for _ in self.slots])[:, None] == mx.arange(L - 1)  # (L - 1: all right)
         return mx.where(wrong, (slots + 1) % 200, slots).astype(mx.uint32), {}
 
 
-QUEUED = EngineOptions(queue_ahead=True, compile_blocks=True)  # (the GPU's cycle: the next queued before a read)
+# The GPU's cycle: the next queued before a read, and finished rows' slots left idle in a batch
+# of a power-of-two rows.
+QUEUED = EngineOptions(queue_ahead=True, compile_blocks=True, pad_rows=True)
 
 
 def queues(decoder: BatchDecoder) -> list:
@@ -149,12 +152,18 @@ def test_planted_acceptance_rows_join_and_leave(pair, queued):
     assert any(while_queued) == (queued and decoder.target.rolls_back_on_device)
 
 
-@pytest.mark.parametrize("way", ["compiled", "eager", "queued"])
+WAYS = {"compiled": EngineOptions(queue_ahead=False, compile_blocks=True),
+        "eager": EngineOptions(queue_ahead=False, compile_blocks=False),
+        "queued": QUEUED, "queued, rows not padded": dataclasses.replace(QUEUED, pad_rows=False)}
+
+
+@pytest.mark.parametrize("way", WAYS)
 def test_compiled_eager_and_queued_verifies_equal_each_prompt_alone(pair, way):
     """Verifies under mx.compile (a trace over every row's own length, as on GPUs), eager, and
-    compiled with each cycle queued before the previous one is read (GPUs)."""
+    compiled with each cycle queued before the previous one is read (GPUs; finished rows' slots
+    left idle or cut at once)."""
     model, draft, references = pair
-    options = QUEUED if way == "queued" else EngineOptions(queue_ahead=False, compile_blocks=way == "compiled")
+    options = WAYS[way]
     decoder = PlantedDrafts(model, draft, BLOCK, None, None, options, references={})
     calls, compiled_block = [], decoder.target._compiled_block
     decoder.target._compiled_block = lambda *args: calls.append(args) or compiled_block(*args)
@@ -162,7 +171,7 @@ def test_compiled_eager_and_queued_verifies_equal_each_prompt_alone(pair, way):
     assert decode_planted(decoder, references) == references
     plain = decoder.target.rolls_back_on_device  # (targets with rotating caches verify eager, never queued)
     assert bool(calls) == (way != "eager" and plain)
-    assert any(queued) == (way == "queued" and plain)
+    assert any(queued) == (way.startswith("queued") and plain)
 
 
 @pytest.mark.parametrize("queued", [False, True])
@@ -183,6 +192,41 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
         if row != leaving:
             assert outputs[row] == reference
     assert outputs[leaving] == references[2][: len(outputs[leaving])] and len(outputs[leaving]) < LIMITS[2]
+
+
+def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pair):
+    """With ``pad_rows`` (GPUs) every cycle drafts and verifies a power-of-two number of rows
+    (idle slots beside the rows decoding): a finished row's slot stays idle, so the cycle
+    queued behind its last is not read early; a new row takes an idle slot; the batch narrows
+    once at most a quarter of it decodes. Each row's tokens stay its prompt's own."""
+    model, draft, references = pair
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED, references={})
+    widths, launch = [], decoder._launch
+    decoder._launch = lambda first, wanted: widths.append((first.shape[0], len(decoder.rows))) or launch(first, wanted)
+    pending, outputs, queued_after_leave = [0, 1, 2, 4, 1, 0], {}, []
+
+    def join() -> None:
+        index = pending.pop(0)
+        row = decoder.add(mx.array(PROMPTS[index]), LIMITS[index])
+        decoder.references[row.id] = references[index]
+        outputs[row.id] = (index, list(row.tokens))
+
+    for _ in range(3):
+        join()
+    while decoder.rows or pending:
+        before = set(decoder.rows)
+        for row, tokens in decoder.step().items():
+            outputs[row][1].extend(tokens)
+        if before - set(decoder.rows) and len(decoder.rows) >= 2:
+            queued_after_leave.append(decoder.queued is not None)
+        if len(decoder.rows) < 3 and pending:
+            join()
+    for index, tokens in outputs.values():
+        assert tokens == references[index]
+    assert widths[0] == (4, 3)
+    for width, decoding in widths:  # (a power of two, at most twice the least)
+        assert width & (width - 1) == 0 and decoding <= width <= 2 * (1 << (decoding - 1).bit_length())
+    assert queued_after_leave and all(queued_after_leave) == decoder.target.rolls_back_on_device
 
 
 @pytest.mark.parametrize("queued, adaptive", [(False, False), (True, False), (True, True)])

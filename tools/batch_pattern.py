@@ -2,14 +2,16 @@
 served by the batch decoder as ``mlx-dflash serve`` does, beside the same requests one at a time.
 
     python tools/batch_pattern.py [--model M] [--draft D] [--clients 8] [--requests 2] [--max-tokens 256]
-        [--block-size B] [--fixed]
+        [--block-size B] [--fixed] [--no-pad-rows]
 
 The requests are HumanEval prompts in the chat template, each reply ending at EOS or
 ``--max-tokens``. In the batch a reply's row leaves at the end of the cycle that finished it
 and the client's next request joins (its prompt prefilled alone), with the server's adaptive
-policy (``--fixed``: full blocks of ``--block-size``) and prefix cache; alone, each request runs on the
-single-sequence engine with a policy of its own that carries over and a prefix cache, as a
-server serving one at a time. Both ways run once untimed first (kernels built, policies taught), then timed. Reported:
+policy (``--fixed``: full blocks of ``--block-size``) and prefix cache, its rows padded to a
+power of two on GPUs (``--no-pad-rows``: as many as decode, ``EngineOptions.pad_rows``); alone,
+each request runs on the single-sequence engine with a policy of its own that carries over
+and a prefix cache, as a server serving one at a time. Both ways run once untimed first
+(kernels built, policies taught), then timed. Reported:
 tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
 leaves (and of the cycles, the median of those with no join or leave just before them against
 the seconds of those right after one), the cycles' block sizes, rows a cycle and tokens a row and cycle, and what its policy
@@ -28,6 +30,7 @@ from mlx_dflash import generate, load, use_fast_blas
 from mlx_dflash.batch import BatchDecoder, until_eos
 from mlx_dflash.bench import humaneval_prompts
 from mlx_dflash.generate import encode_prompt
+from mlx_dflash.options import EngineOptions
 from mlx_dflash.policy import BlockPolicy
 from mlx_dflash.prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
 
@@ -39,6 +42,7 @@ parser.add_argument("--requests", type=int, default=2, help="requests each clien
 parser.add_argument("--max-tokens", type=int, default=256)
 parser.add_argument("--block-size", type=int, default=None, help="the largest block (default: the draft's)")
 parser.add_argument("--fixed", action="store_true", help="full blocks instead of the adaptive policy")
+parser.add_argument("--no-pad-rows", action="store_true", help="the batch as wide as its rows decoding")
 args = parser.parse_args()
 
 use_fast_blas()
@@ -115,7 +119,8 @@ def policy():
     return False if args.fixed else BlockPolicy(block_size)
 
 
-decoder = BatchDecoder(model, draft, block_size, prefix_cache=prefix_cache(), policy=policy() or None)
+decoder = BatchDecoder(model, draft, block_size, prefix_cache=prefix_cache(), policy=policy() or None,
+                       options=EngineOptions(pad_rows=False if args.no_pad_rows else None))
 solo_policy = policy()
 batched(decoder)
 alone(solo_policy)

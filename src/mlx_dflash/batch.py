@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import mlx.core as mx
@@ -72,7 +72,8 @@ class Launched:
     choices: mx.array  # [rows, size]: the target's choice after each slot
     accepted: mx.array  # [rows]: drafts each row accepted
     features: mx.array  # the block's tapped target features, the draft's next context
-    guess: Optional[mx.array]  # a forecast's drafts (the first row's), for the policy
+    guess: Optional[mx.array]  # a forecast's drafts (the lead row's), for the policy
+    lead: int  # the row whose tokens the policy checks a forecast against (the first one decoding)
     launch_seconds: float  # host time spent building and queueing it
 
 
@@ -108,8 +109,10 @@ class BatchDecoder:
         self.policy = policy
         if policy is not None and policy.max_block != self.block_size:
             raise DFlashError(f"the adaptive policy is for blocks of up to {policy.max_block}, not {self.block_size}")
-        self.rows: dict[int, Row] = {}
-        self.order: list[int] = []  # row ids in the caches' batch order
+        self.rows: dict[int, Row] = {}  # the rows decoding
+        # The caches' batch order: the rows decoding, and with ``pad_rows`` idle slots (rows that
+        # left, or copies): their tokens are drafted and verified and dropped.
+        self.slots: list[Row] = []
         self.cache: list[BatchCache] = []
         self.context: list[BatchContext] = []
         self._next_id = 0
@@ -141,9 +144,8 @@ class BatchDecoder:
                   first in eos)
         self._next_id += 1
         if not row.done:
-            self._join(cache, collector.caches)
             self.rows[row.id] = row
-            self.order.append(row.id)
+            self._join(row, cache, collector.caches)
         self.clock = CycleClock()  # (the next cycle's cost is timed from here: not this prefill)
         return row
 
@@ -153,34 +155,57 @@ class BatchDecoder:
         self._leave([row_id])
 
     def _leave(self, row_ids: list[int]) -> None:
-        """Rows leave together: a queued cycle read first (once; their tokens of it dropped),
-        each row's state kept by the prefix cache, the caches cut to the other rows."""
-        if not any(r in self.rows for r in row_ids):
-            return
-        self._land()
-        for row_id in row_ids:
-            self.landed.pop(row_id, None)
-        leaving = [r for r in row_ids if r in self.rows]  # (not those that finished in the cycle just read)
+        """Rows leave together (their tokens of a cycle read early dropped), each row's state
+        kept by the prefix cache; their slots are cut from the caches (a queued cycle read first,
+        once) or, with ``pad_rows``, left idle."""
+        leaving = [r for r in row_ids if r in self.rows]
         if not leaving:
             return
         if self.prefix_cache is not None:
+            if not all(isinstance(c, RowsKVCache) for c in self.cache):
+                self._land()  # (other caches hold a queued cycle's positions or state: kept as of the read)
             for row_id in leaving:
-                self._keep_prefix(self.order.index(row_id), self.rows[row_id])
+                self._keep_prefix(self._slot(row_id), self.rows[row_id])
             self.clock = CycleClock()  # (the next cycle's cost is timed from here: not these copies)
-        keep = [i for i, r in enumerate(self.order) if r not in leaving]
-        self.order = [self.order[i] for i in keep]
         for row_id in leaving:
+            self.landed.pop(row_id, None)
             del self.rows[row_id]
-        if not self.order:
-            self.cache, self.context = [], []
+        self._fit(len(self.slots))
+
+    def _slot(self, row_id: int) -> int:
+        return next(i for i, row in enumerate(self.slots) if row.id == row_id)
+
+    def _fit(self, width: int) -> None:
+        """Cut or pad the caches' batch to the slots the rows decoding need (``width``: the slots
+        before a joining row's): idle slots dropped, or copies of a row added as idle ones."""
+        if not self.rows:
+            self.slots, self.cache, self.context, self.queued = [], [], [], None
             return
-        index = mx.array(keep)
+        size = self._width(len(self.rows), width)
+        if size == len(self.slots):
+            return
+        self._land()
+        decoding = [i for i, row in enumerate(self.slots) if row.id in self.rows]
+        idle = [i for i, row in enumerate(self.slots) if row.id not in self.rows][: max(size - len(decoding), 0)]
+        keep = sorted(decoding + idle)
+        copies = size - len(keep)
+        self.slots = [self.slots[i] for i in keep] + [
+            replace(self.slots[decoding[-1]], id=-1, tokens=[]) for _ in range(copies)]
+        index = mx.array(keep + [decoding[-1]] * copies)
         for c in [*self.cache, *(ctx.cache for ctx in self.context)]:
             c.filter(index)
 
+    def _width(self, decoding: int, width: int) -> int:
+        """Slots for ``decoding`` rows in a batch ``width`` wide: as many, or with ``pad_rows`` a
+        power of two (the width kept while at most twice the least: fewer shapes to trace)."""
+        if not self.target.options.pad_rows:
+            return decoding
+        least = 1 << (decoding - 1).bit_length()
+        return width if least <= width <= 2 * least else least
+
     def clear(self) -> None:
         """Every row leaves at once, nothing read or kept (after a cycle failed)."""
-        self.rows, self.order, self.cache, self.context = {}, [], [], []
+        self.rows, self.slots, self.cache, self.context = {}, [], [], []
         self.queued, self.landed = None, {}
 
     def _keep_prefix(self, index: int, row: Row) -> None:
@@ -199,17 +224,17 @@ class BatchDecoder:
         queued: ``_land``) gives its tokens instead, and the next call runs a cycle again. The rows
         that finished leave here, in the step that gives their last tokens, never between steps."""
         self.clock.resume()
-        if self.landed or not self.order:
+        if self.landed or not self.rows:
             out, self.landed = self.landed, {}
         else:
             out = self._cycle(queue_next=True)
-        self._leave([r for r in self.order if self.rows[r].done])
+        self._leave([r for r, row in self.rows.items() if row.done])
         self.clock.pause()  # (the caller's time between steps, a server's other work, is not a cycle's cost)
         return out
 
     def _cycle(self, queue_next: bool) -> dict[int, list[int]]:
         """Read the queued cycle, or launch one and read it; with ``queue_next``, queue the next first."""
-        cycle = self.queued or self._launch(mx.array([self.rows[r].first for r in self.order], dtype=mx.uint32),
+        cycle = self.queued or self._launch(mx.array([row.first for row in self.slots], dtype=mx.uint32),
                                             self._wanted())
         self.queued = None
         on_device = self.target.rolls_back_on_device
@@ -223,16 +248,15 @@ class BatchDecoder:
             self._roll_back(cycle, accepted)
         # Commit.
         out: dict[int, list[int]] = {}
-        for row_id, a, c in zip(self.order, accepted, choices):
-            row = self.rows[row_id]
+        for row, a, c in zip(self.slots, accepted, choices):
             row.length += a + 1
-            if row.done:  # (it finished in the cycle before, read early as it left: nothing more is its text)
+            if row.id not in self.rows or row.done:  # (an idle slot; or it finished in the cycle before, read early)
                 continue
             committed = c[: a + 1][: row.remaining]
             row.tokens += committed
             row.ended = any(t in row.eos for t in committed)
             row.first = c[a]
-            out[row_id] = committed
+            out[row.id] = committed
         self._settle()
         self._record(cycle, out, accepted)
         return out
@@ -246,22 +270,27 @@ class BatchDecoder:
         block = mx.concatenate([first[:, None], drafted[:, : L - 1]], axis=1)
         logits, features = self.target(block, self.cache)
         choices, accepted = self._accept(logits, block, drafted[:, : L - 1], q)
-        guess = drafted[0] if forecast else None  # (the first row's: what plain steps then commit)
+        live = [row.id in self.rows for row in self.slots]
+        if not all(live):  # (idle slots accept nothing: they grow a position a cycle, not a block)
+            accepted = mx.where(mx.array(live), accepted, 0)
+        lead = live.index(True)
+        guess = drafted[lead] if forecast else None  # (what plain steps then commit)
         mx.async_eval(choices, accepted, features, *([guess] if forecast else []))
         seconds = time.perf_counter() - tic
         self.clock.add_launch(seconds)
         self.block_sizes[L] += 1
-        return Launched(L, choices, accepted, features, guess, seconds)
+        return Launched(L, choices, accepted, features, guess, self.slots[lead].id, seconds)
 
     def _wanted(self) -> int:
         """The most tokens a row still wants."""
-        return max(self.rows[r].remaining for r in self.order)
+        return max(row.remaining for row in self.rows.values())
 
     def _queues_after(self, cycle: Launched) -> bool:
         """Whether the next cycle can be queued before ``cycle`` is read: where the options say so
         (GPUs), and while no row can reach its ``max_tokens`` in it (a row leaving then would make
-        the queued cycle be read early)."""
-        return self.target.options.queue_ahead and min(self.rows[r].remaining for r in self.order) > cycle.size
+        the queued cycle be read early, unless its slot stays: ``pad_rows``)."""
+        options = self.target.options
+        return options.queue_ahead and (options.pad_rows or min(r.remaining for r in self.rows.values()) > cycle.size)
 
     def _roll_back(self, cycle: Launched, accepted: Union[mx.array, list[int]]) -> mx.array:
         """Cut each row back to its accepted prefix (counts still on the device, or read) and add
@@ -284,25 +313,26 @@ class BatchDecoder:
     def _settle(self) -> None:
         """The counts are read: the caches read no further than the longest row (and a cycle
         queued since)."""
-        longest = max(self.rows[r].length for r in self.order)
+        longest = max(row.length for row in self.slots)
         if self.target.rolls_back_on_device:
             self.target.settle(self.cache, longest + (self.queued.size if self.queued is not None else 0))
         for ctx in self.context:
             ctx.cache.settle(longest)
 
     def _record(self, cycle: Launched, out: dict[int, list[int]], accepted: list[int]) -> None:
-        """The policy learns the cycle's cost (the whole batch's) and every row's acceptance."""
+        """The policy learns the cycle's cost (the whole batch's) and every decoding row's acceptance."""
         if self.policy is None:
             return
         seconds = self.clock.cycle_seconds(cycle.launch_seconds)  # (and the next cycle's window starts)
-        lead = out.get(self.order[0])  # (None: the first row had finished, a cycle read as rows left)
+        lead = out.get(cycle.lead)  # (None: it had finished, a cycle read as rows left)
         if lead is None:
             return
-        if cycle.guess is not None:  # plain steps: the first row's forecast checked against its tokens
+        if cycle.guess is not None:  # plain steps: the lead row's forecast checked against its tokens
             self.policy.record_cycle(cycle.size, lead, seconds, cycle.guess.tolist())
         else:
-            self.policy.record_rows(cycle.size, [a + 1 for a in accepted], seconds)
-            self.policy.observe(lead)  # (a forecast's later guesses: the first row's tokens)
+            self.policy.record_rows(cycle.size, [a + 1 for row, a in zip(self.slots, accepted) if row.id in out],
+                                    seconds)
+            self.policy.observe(lead)  # (a forecast's later guesses: the lead row's tokens)
 
     def _land(self) -> None:
         """Read a queued cycle now (rows are about to join or leave); the next ``step`` gives its tokens."""
@@ -315,7 +345,7 @@ class BatchDecoder:
             return min(self.block_size, wanted + 1), False
         # Costs per row count (rounded up to a power of two): on a CPU a block of many rows costs
         # many plain steps, on a GPU about one.
-        self.policy.use_costs(1 << (len(self.order) - 1).bit_length())
+        self.policy.use_costs(1 << (len(self.slots) - 1).bit_length())
         return self.policy.choose(limit=wanted + 1, trees=False), self.policy.wants_forecast
 
     def _accept(self, logits: mx.array, block: mx.array, drafted: mx.array, q: dict[int, mx.array]
@@ -325,8 +355,8 @@ class BatchDecoder:
         sampling against its drafts' distribution ``q``, its bonus token drawn as the engine's."""
         choices = mx.argmax(logits, axis=-1).astype(mx.uint32)
         accepted = mx.cumprod((drafted == choices[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
-        for i, row_id in enumerate(self.order):
-            params = self.rows[row_id].params
+        for i, row in enumerate(self.slots):
+            params = row.params if row.id in self.rows else None  # (an idle slot's tokens are dropped)
             if params is not None:
                 n = drafted.shape[1]
                 tokens, a = verify(params, logits[i], None, block[i], drafted[i], q[i][:n] if n else None)
@@ -360,8 +390,8 @@ class BatchDecoder:
             drafted = mx.argmax(logits, axis=-1)
             drafted = drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
         q = {}
-        for i, row_id in enumerate(self.order):
-            params = self.rows[row_id].params
+        for i, row in enumerate(self.slots):
+            params = row.params if row.id in self.rows else None
             if params is None:
                 continue
             full = self.draft.scale_logits(self.target.head(hidden[i]))  # (q must be the drafts' own: the whole head)
@@ -373,16 +403,20 @@ class BatchDecoder:
             drafted[i : i + 1] = row_drafts.astype(mx.uint32)[None]
         return drafted, q
 
-    def _join(self, cache: list[Any], contexts: list[KVCache]) -> None:
+    def _join(self, row: Row, cache: list[Any], contexts: list[KVCache]) -> None:
+        """Append ``row`` (its prefilled caches) to the batch, then fit the batch's slots."""
         rows = [joined(c) for c in cache]
         context_rows = [RowsKVCache.joined(c) for c in contexts]
-        if not self.cache:
+        width = len(self.slots)
+        if not self.slots:
             self.cache = rows
             self.context = [BatchContext(c, sink, window)
                             for c, (sink, window) in zip(context_rows, self.draft.context_windows())]
-            return
-        for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*rows, *context_rows]):
-            mine.extend(new)
+        else:
+            for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*rows, *context_rows]):
+                mine.extend(new)
+        self.slots.append(row)
+        self._fit(width)
 
 
 class _ContextCollector:

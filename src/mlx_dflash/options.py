@@ -35,6 +35,9 @@ class EngineOptions:
     prefill_step: prompt tokens per prefill chunk (mlx-lm's default).
     device_trees: greedy trees built, walked and rolled back on the device, queued ahead as
         blocks are (GPUs; False: built and walked on the host, each cycle read before the next).
+    pad_rows: a batch keeps a power-of-two number of rows, a finished row's slot idle until a
+        new row takes it (GPUs: a row costs little there, and each new row count is a new trace
+        of the compiled verify; a leave then never reads the queued cycle early).
     """
 
     queue_ahead: Optional[bool] = None
@@ -46,6 +49,7 @@ class EngineOptions:
     pack_draft: Optional[bool] = None
     prefill_step: int = 2048
     device_trees: Optional[bool] = None
+    pad_rows: Optional[bool] = None
 
     def resolved(self) -> "EngineOptions":
         """These options with every ``None`` decided for the backend MLX runs on now
@@ -57,7 +61,7 @@ class EngineOptions:
 
         return replace(self, queue_ahead=pick(self.queue_ahead), pad_reads=pick(self.pad_reads),
                        compile_draft=pick(self.compile_draft), pack_draft=pick(self.pack_draft),
-                       device_trees=pick(self.device_trees))
+                       device_trees=pick(self.device_trees), pad_rows=pick(self.pad_rows))
 
     def longest_compiled_block(self, padded_block: int) -> int:
         """Blocks of 2..this many tokens run compiled (0: none)."""
