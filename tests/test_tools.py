@@ -120,7 +120,8 @@ def test_batch_costs(pair):
     assert [line.split(": a join takes")[0] for line in out.splitlines() if "a join takes" in line] == ["(rows=1", "(rows=2"]
 
 
-@pytest.mark.parametrize("blocks", [[], ["--fixed", "--block-size", "4"]], ids=["adaptive", "fixed-4"])
+@pytest.mark.parametrize("blocks", [[], ["--fixed", "--block-size", "4"], ["--pad-rows", "on"]],
+                         ids=["adaptive", "fixed-4", "padded"])
 def test_batch_pattern(pair, blocks):
     model, draft = pair
     out = run_tool("batch_pattern.py", "--model", model, "--draft", draft, "--clients", "2", "--requests", "2",
@@ -130,8 +131,9 @@ def test_batch_pattern(pair, blocks):
     steady, after = out.split("cycles with no join or leave before them: ")[1].split("\n")[0].split("; right after one: ")
     cycles = int(out.split(" cycles, ")[0].split("\n")[-1])
     assert int(steady.split(",")[0]) + int(after.split(",")[0]) == cycles and int(after.split(",")[0]) >= 1
-    if blocks:
-        sizes = out.split("block sizes ")[1].split("\n")[0]
+    sizes, traced = out.split("block sizes ")[1].split("\n")[0].split("; compiled verifies traced: ")
+    assert int(traced) >= 0
+    if "--fixed" in blocks:
         assert set(ast.literal_eval(sizes)) <= {1, 2, 3, 4}, sizes  # (a row's last block may be shorter)
 
 

@@ -2,19 +2,20 @@
 served by the batch decoder as ``mlx-dflash serve`` does, beside the same requests one at a time.
 
     python tools/batch_pattern.py [--model M] [--draft D] [--clients 8] [--requests 2] [--max-tokens 256]
-        [--block-size B] [--fixed] [--no-pad-rows]
+        [--block-size B] [--fixed] [--pad-rows on|off]
 
 The requests are HumanEval prompts in the chat template, each reply ending at EOS or
 ``--max-tokens``. In the batch a reply's row leaves at the end of the cycle that finished it
 and the client's next request joins (its prompt prefilled alone), with the server's adaptive
 policy (``--fixed``: full blocks of ``--block-size``) and prefix cache, its rows padded to a
-power of two on GPUs (``--no-pad-rows``: as many as decode, ``EngineOptions.pad_rows``); alone,
+power of two on GPUs (``--pad-rows``: on or off anywhere, ``EngineOptions.pad_rows``); alone,
 each request runs on the single-sequence engine with a policy of its own that carries over
 and a prefix cache, as a server serving one at a time. Both ways run once untimed first
 (kernels built, policies taught), then timed. Reported:
 tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
 leaves (and of the cycles, the median of those with no join or leave just before them against
-the seconds of those right after one), the cycles' block sizes, rows a cycle and tokens a row and cycle, and what its policy
+the seconds of those right after one), the cycles' block sizes, rows a cycle and tokens a row
+and cycle, how many times the compiled verify was traced (a new shape each), and what its policy
 believed at the end (cost a cycle per size and row count, expected tokens a row per size); and
 how many replies are the same both ways (float32: all).
 """
@@ -42,7 +43,8 @@ parser.add_argument("--requests", type=int, default=2, help="requests each clien
 parser.add_argument("--max-tokens", type=int, default=256)
 parser.add_argument("--block-size", type=int, default=None, help="the largest block (default: the draft's)")
 parser.add_argument("--fixed", action="store_true", help="full blocks instead of the adaptive policy")
-parser.add_argument("--no-pad-rows", action="store_true", help="the batch as wide as its rows decoding")
+parser.add_argument("--pad-rows", choices=["on", "off"], default=None,
+                    help="the batch a power of two rows wide (default: on GPUs)")
 args = parser.parse_args()
 
 use_fast_blas()
@@ -120,13 +122,15 @@ def policy():
 
 
 decoder = BatchDecoder(model, draft, block_size, prefix_cache=prefix_cache(), policy=policy() or None,
-                       options=EngineOptions(pad_rows=False if args.no_pad_rows else None))
+                       options=EngineOptions(pad_rows=None if args.pad_rows is None else args.pad_rows == "on"))
 solo_policy = policy()
 batched(decoder)
 alone(solo_policy)
 decoder.block_sizes.clear()
 decoder.prefix_cache = prefix_cache()  # (the timed run meets the prompts afresh)
+traced = decoder.target.recorder.traces
 wall, replies, parts, rows, steady = batched(decoder)
+traced = decoder.target.recorder.traces - traced
 solo_wall, solo_replies = alone(solo_policy)
 tokens = sum(len(t) for t in replies.values())
 cycles = max(sum(rows.values()), 1)
@@ -140,7 +144,7 @@ print(f"  cycles with no join or leave before them: {len(steady)}, median "
 row_cycles = max(sum(n * c for n, c in rows.items()), 1)
 print(f"  {sum(rows.values())} cycles, {row_cycles / cycles:.2f} rows a cycle, "
       f"{parts['tokens'] / row_cycles:.2f} tokens a row and cycle; "
-      f"block sizes {dict(sorted(decoder.block_sizes.items()))}")
+      f"block sizes {dict(sorted(decoder.block_sizes.items()))}; compiled verifies traced: {traced}")
 print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.1f} tok/s "
       f"({solo_wall:.2f} s); batch / one at a time: {solo_wall / wall * tokens / sum(map(len, solo_replies.values())):.2f}x")
 print(f"same replies: {sum(replies[r] == solo_replies[r] for r in replies)}/{len(replies)}")

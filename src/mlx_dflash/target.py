@@ -56,6 +56,7 @@ class _Recorder:
         self.active = False
         self.outputs: dict[int, mx.array] = {}
         self.block_forwards: dict[tuple, Callable] = {}
+        self.traces = 0  # times a compiled block forward was traced (once per new shape: costly on GPUs)
 
 
 class TappedLayer(nn.Module):
@@ -294,6 +295,7 @@ class Target:
             projections = block_projections(self.model, *key[:2])  # (packed, row by row: projections.py)
 
             def forward(tokens: mx.array, offset: mx.array, depths: mx.array, ancestors: mx.array, *arrays: mx.array):
+                self.recorder.traces += 1  # (the body runs only while mx.compile traces it)
                 views = [recurrent_view(*arrays[j : j + 2]) if i in mixers
                          else BufferView(*arrays[j : j + 2], offset, ancestors if tree is not None else None)
                          for i, j in enumerate(range(0, len(arrays), 2))]
