@@ -16,6 +16,7 @@
 #                 context window 256 (its default), 768 (its training length) and all (0)
 #   serve         the default pair served to 1-16 clients (bfloat16 and float32) beside mlx_lm.server and
 #                 one request at a time, then the batch decoder alone in the server's pattern at 8 clients
+#                 (rows padded to a power of two and not)
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (164: all of HumanEval), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
@@ -76,7 +77,10 @@ for part in "${PARTS[@]}"; do
         model=$(mlx-dflash models fetch smollm2-135m --dtype $dtype | tail -1)
         python3 benchmarks/serve.py --model "$model" --clients 1 4 8 16 --requests 2 --max-tokens 256 \
           --json "$RESULTS/serve-$dtype.json" | tee "$RESULTS/serve-$dtype.md"
-        python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 2 --max-tokens 256 | tee "$RESULTS/pattern-$dtype.txt"
+        for pad in off on; do
+          python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 2 --max-tokens 256 --pad-rows $pad \
+            | tee "$RESULTS/pattern-$dtype-pad-$pad.txt"
+        done
       done ;;
     *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve)" >&2; exit 2 ;;
   esac
