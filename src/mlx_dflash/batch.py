@@ -4,10 +4,11 @@ forward per cycle for all of them.
 Rows join (their prompt prefilled alone, then merged in) and leave between cycles. A cycle:
 draft a block for every row, verify the blocks as one [rows, block] batch, accept per row,
 roll each row back to its own accepted prefix, commit; on GPUs the next cycle is queued before
-this one is read, as in the engine. Each row keeps its own length
-in the caches (``batch_cache.py``), so rows that accepted different counts are cut back each by
-its own and the verify runs compiled where the engine's does; targets with sliding-window
-layers keep mlx-lm's left-padded batch caches (eager).
+this one is read, as in the engine, and the batch keeps a power-of-two number of rows, a
+finished row's slot idle until a new row takes it (``EngineOptions.pad_rows``). Each row keeps
+its own length in the caches (``batch_cache.py``), so rows that accepted different counts are
+cut back each by its own and the verify runs compiled where the engine's does; targets with
+sliding-window layers keep mlx-lm's left-padded batch caches (eager).
 
 Greedy rows and sampled ones (temperature, top-p, top-k, min-p; lossless speculative sampling
 per row, ``sampling.py``); one block size for all rows a cycle (fixed, or a ``BlockPolicy``'s); every
