@@ -390,21 +390,32 @@ def test_rows_it_cannot_sample_are_refused():
         assert not batches(params)
 
 
-def test_a_rows_prompt_and_reply_serve_the_next_turn(pair):
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_rows_prompt_and_reply_serve_the_next_turn(pair, queued):
     """With a prefix cache, a row that leaves keeps its prompt and reply: the next turn (the
-    prompt, the reply, a new message) prefills only the message, and its tokens are the cold ones."""
+    prompt, the reply, a new message) prefills only the message, and its tokens are the cold ones;
+    ``queued``: the row leaves with the next cycle queued and its slot left idle beside another
+    row (GPUs), its state kept as of its own tokens, not the queued cycle's."""
     from mlx_dflash.prefix_cache import PrefixCache
 
     model, draft, references = pair
-    decoder = BatchDecoder(model, draft, BLOCK, PrefixCache(1 << 30))
+    decoder = BatchDecoder(model, draft, BLOCK, PrefixCache(1 << 30), options=QUEUED if queued else EngineOptions())
     first = decoder.add(mx.array(PROMPTS[2]), LIMITS[2])
-    reply = list(first.tokens)
-    while decoder.rows:
+    if queued:
+        decoder.add(mx.array(PROMPTS[0]), LIMITS[2] + 4 * BLOCK)  # (still decoding when the first leaves)
+    reply, queued_at_leave = list(first.tokens), None
+    while first.id in decoder.rows:
         reply += decoder.step().get(first.id, [])
+        queued_at_leave = decoder.queued is not None
     assert reply == references[2]
+    from mlx_dflash.batch_cache import RowsKVCache
+
+    kept_as_read = all(isinstance(c, RowsKVCache) for c in decoder.cache)  # (else read early: a hybrid's state)
+    assert queued_at_leave == (queued and decoder.target.rolls_back_on_device and kept_as_read)
     turn = PROMPTS[2] + reply + list(range(60, 70))
     second = decoder.add(mx.array(turn), 12)
-    assert second.reused_prompt_tokens == len(PROMPTS[2]) + len(reply) - 1
+    if kept_as_read or not queued:  # (a hybrid's state read past its row's tokens is not kept: its prompt's is)
+        assert second.reused_prompt_tokens == len(PROMPTS[2]) + len(reply) - 1
     tokens = list(second.tokens)
     while decoder.rows:
         tokens += decoder.step().get(second.id, [])

@@ -37,7 +37,8 @@ class EngineOptions:
         blocks are (GPUs; False: built and walked on the host, each cycle read before the next).
     pad_rows: a batch keeps a power-of-two number of rows, a finished row's slot idle until a
         new row takes it (GPUs: a row costs little there, and each new row count is a new trace
-        of the compiled verify; a leave then never reads the queued cycle early).
+        of the compiled verify; a leave then reads the queued cycle early only to keep a hybrid
+        target's recurrent state in a prefix cache).
     """
 
     queue_ahead: Optional[bool] = None
