@@ -349,6 +349,10 @@ class BatchDecoder:
         self.policy.use_costs(1 << (len(self.slots) - 1).bit_length())
         return self.policy.choose(limit=wanted + 1, trees=False), self.policy.wants_forecast
 
+    def _params(self, row: Row) -> Optional[SamplingParams]:
+        """How the row in a slot samples (None: greedy, or an idle slot, whose tokens are dropped)."""
+        return row.params if row.id in self.rows else None
+
     def _accept(self, logits: mx.array, block: mx.array, drafted: mx.array, q: dict[int, mx.array]
                 ) -> tuple[mx.array, mx.array]:
         """(the target's choice after each slot [rows, L], accepted drafts [rows]): a greedy row
@@ -357,7 +361,7 @@ class BatchDecoder:
         choices = mx.argmax(logits, axis=-1).astype(mx.uint32)
         accepted = mx.cumprod((drafted == choices[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)
         for i, row in enumerate(self.slots):
-            params = row.params if row.id in self.rows else None  # (an idle slot's tokens are dropped)
+            params = self._params(row)
             if params is not None:
                 n = drafted.shape[1]
                 tokens, a = verify(params, logits[i], None, block[i], drafted[i], q[i][:n] if n else None)
@@ -392,7 +396,7 @@ class BatchDecoder:
             drafted = drafted.astype(mx.uint32) if self.draft_vocab is None else self.draft_vocab[drafted]
         q = {}
         for i, row in enumerate(self.slots):
-            params = row.params if row.id in self.rows else None
+            params = self._params(row)
             if params is None:
                 continue
             full = self.draft.scale_logits(self.target.head(hidden[i]))  # (q must be the drafts' own: the whole head)
