@@ -262,6 +262,8 @@ def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pai
                 break
             live = set(decoder.rows)
             out = decoder.step()
+            if step == join_before:  # (it gave the cycle read early and queued the next, if a row is left)
+                queued_then.append(decoder.queued is not None if decoder.rows else "no row left")
             for row, tokens in out.items():
                 misplaced.append(row not in live)  # (given tokens after it left)
                 outputs[row] += tokens
@@ -282,7 +284,8 @@ def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pai
         assert through_eos(tokens) == through_eos(greedy_reference(model, prompt, 40))[: len(through_eos(tokens))]
         assert len(tokens) < len(through_eos(tokens)) + BLOCK  # (the ending cycle's later tokens at most)
     assert len(through_eos(outputs[rows[0].id])) == end + 1
-    assert queued_then == [queued and decoder_queues(model, draft)]
+    expected = queued and decoder_queues(model, draft)
+    assert queued_then[0] == expected and queued_then[1] in (expected, "no row left")
 
 
 def decoder_queues(model, draft) -> bool:

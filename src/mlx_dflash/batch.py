@@ -230,6 +230,10 @@ class BatchDecoder:
         else:
             out = self._cycle(queue_next=True)
         self._leave([r for r, row in self.rows.items() if row.done])
+        if self.queued is None and not self.landed and self.rows and self._queues(self.block_size):
+            # (it gave a cycle read early: the device would idle while the caller takes its tokens;
+            # never while a leave just read one early, whose tokens the next step gives)
+            self.queued = self._launch(mx.array([row.first for row in self.slots], dtype=mx.uint32), self._wanted())
         self.clock.pause()  # (the caller's time between steps, a server's other work, is not a cycle's cost)
         return out
 
@@ -241,7 +245,7 @@ class BatchDecoder:
         on_device = self.target.rolls_back_on_device
         if on_device:  # roll back by the counts still on the device, and queue the next cycle
             first = self._roll_back(cycle, cycle.accepted)
-            if queue_next and self._queues_after(cycle):
+            if queue_next and self._queues(cycle.size):
                 self.queued = self._launch(first, self._wanted() - 1)
         # Accept: the cycle's one device-to-host read (a forecast's guesses with it).
         choices, accepted = cycle.choices.tolist(), cycle.accepted.tolist()
@@ -286,12 +290,14 @@ class BatchDecoder:
         """The most tokens a row still wants."""
         return max(row.remaining for row in self.rows.values())
 
-    def _queues_after(self, cycle: Launched) -> bool:
-        """Whether the next cycle can be queued before ``cycle`` is read: where the options say so
-        (GPUs), and while no row can reach its ``max_tokens`` in it (a row leaving then would make
-        the queued cycle be read early, unless its slot stays: ``pad_rows``)."""
+    def _queues(self, size: int) -> bool:
+        """Whether a cycle of up to ``size`` tokens can be queued before the one before it is read
+        (or before the caller asks for it): where the options say so (GPUs), and while no row can
+        reach its ``max_tokens`` in it (a row leaving then would make the queued cycle be read
+        early, unless its slot stays: ``pad_rows``)."""
         options = self.target.options
-        return options.queue_ahead and (options.pad_rows or min(r.remaining for r in self.rows.values()) > cycle.size)
+        return (options.queue_ahead and self.target.rolls_back_on_device
+                and (options.pad_rows or min(r.remaining for r in self.rows.values()) > size))
 
     def _roll_back(self, cycle: Launched, accepted: Union[mx.array, list[int]]) -> mx.array:
         """Cut each row back to its accepted prefix (counts still on the device, or read) and add
