@@ -222,7 +222,7 @@ class BatchDecoder:
     def step(self) -> dict[int, list[int]]:
         """One cycle for every row: draft, verify (one forward), accept, roll back, commit; the
         tokens each row committed, by row id. A cycle read early (rows joined or left while it was
-        queued: ``_land``) gives its tokens instead, and the next call runs a cycle again. The rows
+        queued: ``_land``) gives its tokens instead, and queues the next cycle (GPUs). The rows
         that finished leave here, in the step that gives their last tokens, never between steps."""
         self.clock.resume()
         if self.landed or not self.rows:
