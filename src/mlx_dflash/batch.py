@@ -119,7 +119,8 @@ class BatchDecoder:
         self._next_id = 0
         # Where the caches roll back by counts on the device (GPUs), the next cycle is queued
         # before this one is read, as the engine does; a cycle queued when rows join or leave is
-        # read at once, its tokens kept for the next ``step``.
+        # read at once, its tokens kept for the next ``step`` (which queues a cycle again only once
+        # they are given: never a cycle queued while another's tokens wait).
         self.queued: Optional[Launched] = None
         self.landed: dict[int, list[int]] = {}
         self.clock = CycleClock()  # (a cycle's cost for the policy, launches queued ahead or not)
@@ -233,14 +234,13 @@ class BatchDecoder:
         if self.queued is None and not self.landed and self.rows and self._queues(self.block_size):
             # (it gave a cycle read early: the device would idle while the caller takes its tokens;
             # never while a leave just read one early, whose tokens the next step gives)
-            self.queued = self._launch(mx.array([row.first for row in self.slots], dtype=mx.uint32), self._wanted())
+            self.queued = self._launch_from_host()
         self.clock.pause()  # (the caller's time between steps, a server's other work, is not a cycle's cost)
         return out
 
     def _cycle(self, queue_next: bool) -> dict[int, list[int]]:
         """Read the queued cycle, or launch one and read it; with ``queue_next``, queue the next first."""
-        cycle = self.queued or self._launch(mx.array([row.first for row in self.slots], dtype=mx.uint32),
-                                            self._wanted())
+        cycle = self.queued or self._launch_from_host()
         self.queued = None
         on_device = self.target.rolls_back_on_device
         if on_device:  # roll back by the counts still on the device, and queue the next cycle
@@ -285,6 +285,10 @@ class BatchDecoder:
         self.clock.add_launch(seconds)
         self.block_sizes[L] += 1
         return Launched(L, choices, accepted, features, guess, self.slots[lead].id, seconds)
+
+    def _launch_from_host(self) -> Launched:
+        """A cycle after the rows' committed tokens, as the host knows them (none queued before it)."""
+        return self._launch(mx.array([row.first for row in self.slots], dtype=mx.uint32), self._wanted())
 
     def _wanted(self) -> int:
         """The most tokens a row still wants."""
