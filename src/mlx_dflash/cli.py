@@ -556,6 +556,7 @@ def _add_serve(sub) -> None:
 def _run_serve(args) -> None:
     import uvicorn
 
+    from .mlx_thread import MLXThread
     from .server import Served, create_app
     from .target import context_length
 
@@ -579,19 +580,24 @@ def _run_serve(args) -> None:
             raise DFlashError(f"--block-size must be at most the draft's {draft.block_size}, got {args.block_size}")
         model_context = context_length(model) or 4096
         context = min(args.context_limit or model_context, model_context)
-        served = Served(model, tokenizer, draft, model_name, context, min(args.max_tokens_limit, context),
-                        adaptive=args.adaptive, block_size=args.block_size, trees=_trees(args),
-                        prefix_cache_bytes=prefix_cache_bytes, decode_concurrency=args.decode_concurrency)
-        _serve_warm_up(args, served)
-        if served.unbatched is not None:
-            print(f"greedy requests are served one at a time: {served.unbatched}", file=sys.stderr)
-        config = uvicorn.Config(create_app(served), log_level="info")
-        print(f"serving {model_name} on http://{args.host}:{args.port}" + _sharding_note(model), file=sys.stderr)
+        thread = MLXThread()  # (the batch decoder built and warmed where the requests will run)
         try:
-            uvicorn.Server(config).run(sockets=[sock])
+            served = thread.call(Served, model, tokenizer, draft, model_name, context,
+                                 min(args.max_tokens_limit, context), adaptive=args.adaptive,
+                                 block_size=args.block_size, trees=_trees(args),
+                                 prefix_cache_bytes=prefix_cache_bytes, decode_concurrency=args.decode_concurrency)
+            thread.call(_serve_warm_up, args, served)
+            if served.unbatched is not None:
+                print(f"greedy requests are served one at a time: {served.unbatched}", file=sys.stderr)
+            config = uvicorn.Config(create_app(served, thread), log_level="info")
+            print(f"serving {model_name} on http://{args.host}:{args.port}" + _sharding_note(model), file=sys.stderr)
+            try:
+                uvicorn.Server(config).run(sockets=[sock])
+            finally:
+                if served.group is not None:
+                    send_job(None, served.group)  # (the others stop following)
         finally:
-            if served.group is not None:
-                send_job(None, served.group)  # (the others stop following)
+            thread.close()
 
 
 def _serve_warm_up(args, served) -> None:

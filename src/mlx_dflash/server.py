@@ -391,8 +391,10 @@ def _chunk(job: Job, rid: str, created: int, name: str, text: str, finish: Optio
     return out
 
 
-def create_app(served: Served) -> FastAPI:
-    thread = MLXThread()  # every model call runs on it
+def create_app(served: Served, thread: Optional[MLXThread] = None) -> FastAPI:
+    """The server's app; ``thread``: the model thread ``served`` was built on (default: a new one),
+    closed when the app shuts down."""
+    thread = thread or MLXThread()  # every model call runs on it
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
