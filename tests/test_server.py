@@ -64,6 +64,18 @@ def client(base):
     return OpenAI(base_url=base + "/v1", api_key="none", timeout=60, max_retries=0)
 
 
+def test_the_model_thread_runs_waited_and_awaited_calls_on_one_thread():
+    """``serve`` builds and warms its batch with ``call`` on the thread whose ``run`` serves the
+    requests: one thread, not the caller's; closing twice (the app's shutdown, then the CLI's) is fine."""
+    thread = MLXThread()
+    called = thread.call(threading.get_ident)
+    awaited = asyncio.run(thread.run(threading.get_ident))
+    assert called == awaited != threading.get_ident()
+    thread.close()
+    thread.close()
+    assert thread.closed
+
+
 def test_models_and_health(server):
     base = server[0]
     assert httpx.get(base + "/health").json()["status"] == "ok"
