@@ -454,11 +454,14 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
     draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=1, mask_token_id=MASK_ID)
     served = Served(model, tokenizer, draft, NAME, CONTEXT, 1800)
 
+    asked = len(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
+
     class FailingPrefill(BatchDecoder):
-        def add(self, prompt, max_tokens, params=None, eos=frozenset()):
-            if max_tokens == 13:
+        def add(self, prompt, max_tokens, params=None, eos=frozenset(), queue_next=True):
+            # (the request of max_tokens 13, also if it moved in from running alone with its tokens as prompt)
+            if prompt.size + max_tokens == asked + 13:
                 raise RuntimeError("out of memory")
-            return super().add(prompt, max_tokens, params, eos)
+            return super().add(prompt, max_tokens, params, eos, queue_next)
 
     served.batch = FailingPrefill(model, draft, prefix_cache=served.prefix_cache)
     port = free_port()
