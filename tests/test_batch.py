@@ -42,18 +42,15 @@ class PlantedDrafts(BatchDecoder):
     """Drafts each row's own greedy continuation with a mistake at a random slot (or none),
     so rows accept different counts each cycle; the draft still runs, for its context. Each
     row's place in its continuation comes from its length on the device: a cycle queued ahead
-    is drafted before the host has read the previous one's counts. ``references``: each of
-    ``PROMPTS``' greedy continuation (a row's found by its prompt: a cycle may be queued behind
-    its join before its ``add`` returns)."""
+    is drafted before the host has read the previous one's counts."""
 
-    def __init__(self, *args, references: list, seed: int = 0):
+    def __init__(self, *args, references: dict, seed: int = 0):
         super().__init__(*args)
-        self.references = {tuple(prompt): tokens for prompt, tokens in zip(PROMPTS, references)}
-        self.rng, self.accepted = random.Random(seed), []
+        self.references, self.rng, self.accepted = references, random.Random(seed), []
 
     def _draft(self, first: mx.array, L: int) -> tuple[mx.array, dict]:
         super()._draft(first, L)
-        references = [self.references[tuple(row.prompt)] for row in self.slots]
+        references = [self.references.get(row.id, []) for row in self.slots]  # (an idle slot's: none)
         width = max(map(len, references)) + L
         continuations = mx.array([(r + [0] * width)[:width] for r in references], dtype=mx.uint32)
         done = mx.minimum(self.context[0].position - mx.array([len(row.prompt) - 1 for row in self.slots]), width - L)
@@ -77,8 +74,9 @@ def queues(decoder: BatchDecoder) -> list:
 def decode_planted(decoder: PlantedDrafts, references: list) -> list:
     """Every prompt's tokens, all rows joining before the first cycle, each row's drafts planted."""
     outputs = {}
-    for prompt, limit in zip(PROMPTS, LIMITS):
+    for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
         row = decoder.add(mx.array(prompt), limit)
+        decoder.references[row.id] = references[index]
         outputs[row.id] = list(row.tokens)
     while decoder.rows:
         for row, tokens in decoder.step().items():
@@ -107,11 +105,13 @@ def test_adaptive_block_sizes_equal_each_prompt_alone(pair, planted, queued):
     policy = PlantedCosts(BLOCK)
     policy.history = []
     options = QUEUED if queued else EngineOptions()
-    decoder = PlantedDrafts(model, draft, BLOCK, None, policy, options, references=references) if planted else (
+    decoder = PlantedDrafts(model, draft, BLOCK, None, policy, options, references={}) if planted else (
         BatchDecoder(model, draft, BLOCK, None, policy))
     outputs = {}
-    for prompt, limit in zip(PROMPTS, LIMITS):
+    for index, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
         row = decoder.add(mx.array(prompt), limit)
+        if planted:
+            decoder.references[row.id] = references[index]
         outputs[row.id] = list(row.tokens)
     while decoder.rows:
         for row, tokens in decoder.step().items():
@@ -125,7 +125,7 @@ def test_adaptive_block_sizes_equal_each_prompt_alone(pair, planted, queued):
 def test_planted_acceptance_rows_join_and_leave(pair, queued):
     """Rows join mid-way (with ``queued``, while a cycle is queued: it is read first)."""
     model, draft, references = pair
-    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions(), references=references)
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions(), references={})
     outputs, accepted, while_queued = {}, [], []
     pending = list(zip(range(len(PROMPTS)), PROMPTS, LIMITS))
 
@@ -133,6 +133,7 @@ def test_planted_acceptance_rows_join_and_leave(pair, queued):
         while_queued.append(decoder.queued is not None)
         for index, prompt, limit in pending[:count]:
             row = decoder.add(mx.array(prompt), limit)
+            decoder.references[row.id] = references[index]
             outputs[row.id] = (index, list(row.tokens))
         del pending[:count]
 
@@ -163,7 +164,7 @@ def test_compiled_eager_and_queued_verifies_equal_each_prompt_alone(pair, way):
     left idle or cut at once)."""
     model, draft, references = pair
     options = WAYS[way]
-    decoder = PlantedDrafts(model, draft, BLOCK, None, None, options, references=references)
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, options, references={})
     calls, compiled_block = [], decoder.target._compiled_block
     decoder.target._compiled_block = lambda *args: calls.append(args) or compiled_block(*args)
     queued = queues(decoder)
@@ -193,37 +194,13 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
     assert outputs[leaving] == references[2][: len(outputs[leaving])] and len(outputs[leaving]) < LIMITS[2]
 
 
-def test_a_row_joins_without_reading_a_cycle_and_the_next_queues_behind_it(pair):
-    """On GPUs a join reads no cycle: the queued one is rolled back on the device and the next
-    step reads it, the next cycle is queued behind the join (unless more rows join first), and
-    every row's tokens stay its prompt's own."""
-    model, draft, references = pair
-    decoder = BatchDecoder(model, draft, BLOCK, options=QUEUED)
-    reads, commit = [], decoder._commit
-    decoder._commit = lambda *args: reads.append(args) or commit(*args)
-    first = decoder.add(mx.array(PROMPTS[0]), LIMITS[0], queue_next=False)  # (as when more rows join first)
-    assert decoder.queued is None
-    outputs = {first.id: list(first.tokens)}
-    outputs[first.id] += decoder.step()[first.id]
-    plain = decoder.target.rolls_back_on_device
-    assert (decoder.queued is not None) == plain
-    read = len(reads)
-    second = decoder.add(mx.array(PROMPTS[4]), LIMITS[4])  # (two rows: no idle copies to pad the batch with)
-    assert len(reads) == read and len(decoder.unread) == plain and (decoder.queued is not None) == plain
-    outputs[second.id] = list(second.tokens)
-    while decoder.rows:
-        for row, tokens in decoder.step().items():
-            outputs[row] += tokens
-    assert [outputs[first.id], outputs[second.id]] == [references[0], references[4]]
-
-
 def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pair):
     """With ``pad_rows`` (GPUs) every cycle drafts and verifies a power-of-two number of rows
     (idle slots beside the rows decoding): a finished row's slot stays idle, so the cycle
     queued behind its last is not read early; a new row takes an idle slot; the batch narrows
     once at most a quarter of it decodes. Each row's tokens stay its prompt's own."""
     model, draft, references = pair
-    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED, references=references)
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED, references={})
     widths, launch = [], decoder._launch
     decoder._launch = lambda first, wanted: widths.append((first.shape[0], len(decoder.rows))) or launch(first, wanted)
     pending, outputs, queued_after_leave = [0, 1, 2, 4, 1, 0], {}, []
@@ -231,6 +208,7 @@ def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pa
     def join() -> None:
         index = pending.pop(0)
         row = decoder.add(mx.array(PROMPTS[index]), LIMITS[index])
+        decoder.references[row.id] = references[index]
         outputs[row.id] = (index, list(row.tokens))
 
     for _ in range(3):
@@ -245,8 +223,7 @@ def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pa
             join()
     for index, tokens in outputs.values():
         assert tokens == references[index]
-    joins_queue = decoder.target.rolls_back_on_device  # (a cycle queued behind each join)
-    assert widths[: 3 if joins_queue else 1] == ([(1, 1), (2, 2), (4, 3)] if joins_queue else [(4, 3)])
+    assert widths[0] == (4, 3)
     for width, decoding in widths:  # (a power of two, at most twice the least)
         assert width & (width - 1) == 0 and decoding <= width <= 2 * (1 << (decoding - 1).bit_length())
     assert queued_after_leave and all(queued_after_leave) == decoder.target.rolls_back_on_device
@@ -391,7 +368,7 @@ def test_rows_draft_what_each_drafts_alone_and_keep_greedy_output(pair, kind):
         assert drafted[index].tolist() == alone.tolist()
     assert batch_generate(model, PROMPTS, draft, LIMITS) == references
     queued = BatchDecoder(model, draft, BLOCK, options=QUEUED)  # (the GPUs' cycle: drafts after counts on the device)
-    outputs = {row.id: list(row.tokens) for row in (queued.add(mx.array(p), n) for p, n in zip(PROMPTS, LIMITS))}
+    outputs = {row.id: list(row.tokens) for row in [queued.add(mx.array(p), n) for p, n in zip(PROMPTS, LIMITS)]}
     seen = queues(queued)
     while queued.rows:
         for row, tokens in queued.step().items():
@@ -437,7 +414,7 @@ def test_a_rows_prompt_and_reply_serve_the_next_turn(pair, queued):
     from mlx_dflash.batch_cache import RowsKVCache
 
     kept_as_read = all(isinstance(c, RowsKVCache) for c in decoder.cache)  # (else read early: a hybrid's state)
-    assert queued_at_leave == (queued and decoder.target.rolls_back_on_device)
+    assert queued_at_leave == (queued and decoder.target.rolls_back_on_device and kept_as_read)
     turn = PROMPTS[2] + reply + list(range(60, 70))
     second = decoder.add(mx.array(turn), 12)
     if kept_as_read or not queued:  # (a hybrid's state read past its row's tokens is not kept: its prompt's is)
@@ -516,7 +493,7 @@ def test_hybrid_rows_rewind_each_to_its_own_prefix(tiny_dir, stepwise):
     draft = create_random_draft(json.loads((path / "config.json").read_text()), num_layers=2, block_size=BLOCK,
                                 mask_token_id=MASK_ID)
     references = [greedy_reference(model, p, n) for p, n in zip(PROMPTS, LIMITS)]
-    decoder = PlantedDrafts(model, draft, BLOCK, references=references)
+    decoder = PlantedDrafts(model, draft, BLOCK, references={})
     for mixer in decoder.target._block_mixers.values():
         mixer.stepwise = stepwise
     assert decode_planted(decoder, references) == references
@@ -537,5 +514,5 @@ def test_a_quantized_target_batched_equals_each_prompt_alone(tiny_dir, compiled)
     quantize_draft(draft, 4, 32)
     references = [greedy_reference(model, p, n) for p, n in zip(PROMPTS, LIMITS)]
     decoder = PlantedDrafts(model, draft, BLOCK, None, None, EngineOptions(queue_ahead=False, compile_blocks=compiled),
-                            references=references)
+                            references={})
     assert decode_planted(decoder, references) == references

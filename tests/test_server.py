@@ -457,11 +457,11 @@ def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
     asked = len(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
 
     class FailingPrefill(BatchDecoder):
-        def add(self, prompt, max_tokens, params=None, eos=frozenset(), queue_next=True):
+        def add(self, prompt, max_tokens, params=None, eos=frozenset()):
             # (the request of max_tokens 13, also if it moved in from running alone with its tokens as prompt)
             if prompt.size + max_tokens == asked + 13:
                 raise RuntimeError("out of memory")
-            return super().add(prompt, max_tokens, params, eos, queue_next)
+            return super().add(prompt, max_tokens, params, eos)
 
     served.batch = FailingPrefill(model, draft, prefix_cache=served.prefix_cache)
     port = free_port()

@@ -15,7 +15,8 @@ and a prefix cache, as a server serving one at a time. Both ways run once untime
 tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
 leaves (and of the cycles, the median of those with no join or leave just before them against
 the seconds of those right after one), the cycles' block sizes, rows a cycle (and cycles by
-rows: fewer than the clients once clients have sent their last request) and tokens a row and cycle, how many times the compiled verify was traced (a new shape each), and what its policy
+rows: fewer than the clients once clients have sent their last request) and tokens a row and
+cycle, how many times the compiled verify was traced (a new shape each), and what its policy
 believed at the end (cost a cycle per size and row count, expected tokens a row per size); and
 how many replies are the same both ways (float32: all).
 """
@@ -65,13 +66,13 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
     replies, client_of, parts, rows, steady = {}, {}, Counter(), Counter(), []
     changed = False  # rows joined or left since the latest cycle
 
-    def join(client: int, queue_next: bool = True) -> None:
+    def join(client: int) -> None:
         nonlocal changed
         changed = True
         while waiting[client]:
             request = waiting[client].pop(0)
             tic = time.perf_counter()
-            row = decoder.add(prompts[request], args.max_tokens, queue_next=queue_next)
+            row = decoder.add(prompts[request], args.max_tokens)
             parts["joins"] += time.perf_counter() - tic
             replies[request] = list(row.tokens)
             if row.id in decoder.rows and row.first not in EOS:
@@ -81,7 +82,7 @@ def batched(decoder: BatchDecoder) -> tuple[float, dict[int, list[int]], Counter
 
     tic = time.perf_counter()
     for client in range(args.clients):
-        join(client, queue_next=client == args.clients - 1)  # (the server's: a cycle queued after the last)
+        join(client)
     while decoder.rows:
         start = time.perf_counter()
         committed = decoder.step()

@@ -4,8 +4,7 @@ forward per cycle for all of them.
 Rows join (their prompt prefilled alone, then merged in) and leave between cycles. A cycle:
 draft a block for every row, verify the blocks as one [rows, block] batch, accept per row,
 roll each row back to its own accepted prefix, commit; on GPUs the next cycle is queued before
-this one is read, as in the engine (rows join and leave without reading it: it is rolled back on
-the device, and the next ``step`` reads it), and the batch keeps a power-of-two number of rows, a
+this one is read, as in the engine, and the batch keeps a power-of-two number of rows, a
 finished row's slot idle until a new row takes it (``EngineOptions.pad_rows``). Each row keeps
 its own length in the caches (``batch_cache.py``), so rows that accepted different counts are
 cut back each by its own and the verify runs compiled where the engine's does; targets with
@@ -77,7 +76,6 @@ class Launched:
     guess: Optional[mx.array]  # a forecast's drafts (the lead row's), for the policy
     lead: int  # the row whose tokens the policy checks a forecast against (the first one decoding)
     launch_seconds: float  # host time spent building and queueing it
-    slots: list[Row]  # the batch's rows in its order when it was launched (whose tokens it commits)
 
 
 def batches(params: Optional[SamplingParams]) -> bool:
@@ -120,35 +118,29 @@ class BatchDecoder:
         self.context: list[BatchContext] = []
         self._next_id = 0
         # Where the caches roll back by counts on the device (GPUs), the next cycle is queued
-        # before this one is read, as the engine does. Rows that join or leave while one is queued
-        # roll it back on the device without reading it (``unread``: the next ``step`` reads it):
-        # a join's prefill queues behind it, and the next cycle behind the join. Tokens read
-        # before the caller asks for them wait in ``landed``.
+        # before this one is read, as the engine does; a cycle queued when rows join or leave is
+        # read at once, its tokens kept for the next ``step`` (which queues a cycle again only once
+        # they are given: never a cycle queued while another's tokens wait).
         self.queued: Optional[Launched] = None
-        self.unread: list[Launched] = []
         self.landed: dict[int, list[int]] = {}
-        self.firsts: Optional[mx.array] = None  # [slots]: each slot's next first token, on the device
         self.clock = CycleClock()  # (a cycle's cost for the policy, launches queued ahead or not)
         self.block_sizes: Counter[int] = Counter()  # cycles run per block size (``/health``)
 
     def add(self, prompt: mx.array, max_tokens: int, params: Optional[SamplingParams] = None,
-            eos: frozenset = frozenset(), queue_next: bool = True) -> Row:
+            eos: frozenset = frozenset()) -> Row:
         """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
         the prefill's token, its first output, is all it asked for or one of ``eos``); ``params``:
         how the row samples (None or temperature 0: greedy). The row leaves in the cycle that
-        commits its ``max_tokens``-th token or one of ``eos`` (tokens after it in that cycle included).
-        ``queue_next``: on GPUs, queue the next cycle before returning (False: more rows join
-        first, whose first tokens would wait for it)."""
+        commits its ``max_tokens``-th token or one of ``eos`` (tokens after it in that cycle included)."""
         if not batches(params):
             raise DFlashError("a batch's rows sample with temperature, top_p, top_k and min_p only: seeded "
                               "requests, logits processors and match acceptance run alone")
         params = None if params is None or params.greedy else params.drawing()  # (a random stream of its own)
-        self._roll_back_queued()  # (before the prefill: the roll back reads what the target ran last)
+        self._land()  # (before the prefill: a queued cycle's roll back reads what the target ran last)
         collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()
         logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
                                  prefix_cache=self.prefix_cache)
-        # (read before it joins: a prefill that fails leaves the batch as it was)
         first = int(first_token(params, logits[None], prompt).item())
         row = Row(self._next_id, prompt.tolist(), max_tokens, first, prompt.size, [first], reused, params, eos,
                   first in eos)
@@ -156,8 +148,6 @@ class BatchDecoder:
         if not row.done:
             self.rows[row.id] = row
             self._join(row, cache, collector.caches)
-            if queue_next and self.queued is None and self._queues(self.block_size):
-                self.queued = self._launch(self.firsts, self._wanted())  # (the device works while its token is sent)
         self.clock = CycleClock()  # (the next cycle's cost is timed from here: not this prefill)
         return row
 
@@ -167,15 +157,15 @@ class BatchDecoder:
         self._leave([row_id])
 
     def _leave(self, row_ids: list[int]) -> None:
-        """Rows leave together (their tokens of cycles read early, or not read yet, dropped), each
-        row's state kept by the prefix cache; their slots are cut from the caches (a queued cycle
-        rolled back first) or, with ``pad_rows``, left idle."""
+        """Rows leave together (their tokens of a cycle read early dropped), each row's state
+        kept by the prefix cache; their slots are cut from the caches (a queued cycle read first,
+        once) or, with ``pad_rows``, left idle."""
         leaving = [r for r in row_ids if r in self.rows]
         if not leaving:
             return
         if self.prefix_cache is not None:
             if not all(isinstance(c, RowsKVCache) for c in self.cache):
-                self._land()  # (other caches hold queued cycles' positions or state: kept as of the read)
+                self._land()  # (other caches hold a queued cycle's positions or state: kept as of the read)
             for row_id in leaving:
                 self._keep_prefix(self._slot(row_id), self.rows[row_id])
             self.clock = CycleClock()  # (the next cycle's cost is timed from here: not these copies)
@@ -191,24 +181,21 @@ class BatchDecoder:
         """Cut or pad the caches' batch to the slots the rows decoding need (``width``: the slots
         before a joining row's): idle slots dropped, or copies of a row added as idle ones."""
         if not self.rows:
-            self.slots, self.cache, self.context, self.queued, self.unread, self.firsts = [], [], [], None, [], None
+            self.slots, self.cache, self.context, self.queued = [], [], [], None
             return
         size = self._width(len(self.rows), width)
         if size == len(self.slots):
             return
-        self._roll_back_queued()  # (its roll back cuts the rows as they were)
+        self._land()
         decoding = [i for i, row in enumerate(self.slots) if row.id in self.rows]
         idle = [i for i, row in enumerate(self.slots) if row.id not in self.rows][: max(size - len(decoding), 0)]
         keep = sorted(decoding + idle)
         copies = size - len(keep)
-        if copies:
-            self._read_unread()  # (a copy takes its row's length as the host knows it: read it all first)
         self.slots = [self.slots[i] for i in keep] + [
             replace(self.slots[decoding[-1]], id=-1, tokens=[]) for _ in range(copies)]
         index = mx.array(keep + [decoding[-1]] * copies)
         for c in [*self.cache, *(ctx.cache for ctx in self.context)]:
             c.filter(index)
-        self.firsts = self.firsts[index]
 
     def _width(self, decoding: int, width: int) -> int:
         """Slots for ``decoding`` rows in a batch ``width`` wide: as many, or with ``pad_rows`` a
@@ -221,7 +208,7 @@ class BatchDecoder:
     def clear(self) -> None:
         """Every row leaves at once, nothing read or kept (after a cycle failed)."""
         self.rows, self.slots, self.cache, self.context = {}, [], [], []
-        self.queued, self.unread, self.landed, self.firsts = None, [], {}, None
+        self.queued, self.landed = None, {}
 
     def _keep_prefix(self, index: int, row: Row) -> None:
         """Store row ``index``'s caches, cut to its committed tokens but the latest (not in them yet)."""
@@ -235,53 +222,48 @@ class BatchDecoder:
 
     def step(self) -> dict[int, list[int]]:
         """One cycle for every row: draft, verify (one forward), accept, roll back, commit; the
-        tokens each row committed, by row id. Cycles that rows joining or leaving rolled back
-        unread, or read early, give their tokens instead (a cycle is queued behind them on GPUs).
-        The rows that finished leave here, in the step that gives their last tokens, never
-        between steps."""
+        tokens each row committed, by row id. A cycle read early (rows joined or left while it was
+        queued: ``_land``) gives its tokens instead, and queues the next cycle (GPUs). The rows
+        that finished leave here, in the step that gives their last tokens, never between steps."""
         self.clock.resume()
-        self._read_unread()
         if self.landed or not self.rows:
             out, self.landed = self.landed, {}
         else:
-            out = self._cycle()
+            out = self._cycle(queue_next=True)
         self._leave([r for r, row in self.rows.items() if row.done])
-        if self.queued is None and self.rows and self._queues(self.block_size):
-            # (it gave tokens read early, or rows left: the device would idle while the caller takes them)
-            self.queued = self._launch(self.firsts, self._wanted())
+        if self.queued is None and not self.landed and self.rows and self._queues(self.block_size):
+            # (it gave a cycle read early: the device would idle while the caller takes its tokens;
+            # never while a leave just read one early, whose tokens the next step gives)
+            self.queued = self._launch_from_host()
         self.clock.pause()  # (the caller's time between steps, a server's other work, is not a cycle's cost)
         return out
 
-    def _cycle(self) -> dict[int, list[int]]:
-        """Read the queued cycle, or launch one and read it; on GPUs queue the next first."""
-        cycle = self.queued or self._launch(self.firsts, self._wanted())
+    def _cycle(self, queue_next: bool) -> dict[int, list[int]]:
+        """Read the queued cycle, or launch one and read it; with ``queue_next``, queue the next first."""
+        cycle = self.queued or self._launch_from_host()
         self.queued = None
         on_device = self.target.rolls_back_on_device
         if on_device:  # roll back by the counts still on the device, and queue the next cycle
-            self._roll_back(cycle, cycle.accepted)
-            if self._queues(cycle.size):
-                self.queued = self._launch(self.firsts, self._wanted() - 1)
+            first = self._roll_back(cycle, cycle.accepted)
+            if queue_next and self._queues(cycle.size):
+                self.queued = self._launch(first, self._wanted() - 1)
         # Accept: the cycle's one device-to-host read (a forecast's guesses with it).
         choices, accepted = cycle.choices.tolist(), cycle.accepted.tolist()
         if not on_device:
             self._roll_back(cycle, accepted)
-        out = self._commit(cycle, choices, accepted)
-        self._settle()
-        self._record(cycle, out, accepted)
-        return out
-
-    def _commit(self, cycle: Launched, choices: list[list[int]], accepted: list[int]) -> dict[int, list[int]]:
-        """Each decoding row of ``cycle`` commits its accepted drafts and the target's next token."""
+        # Commit.
         out: dict[int, list[int]] = {}
-        for row, a, c in zip(cycle.slots, accepted, choices):
+        for row, a, c in zip(self.slots, accepted, choices):
             row.length += a + 1
-            if row.id not in self.rows or row.done:  # (an idle slot; or it finished in a cycle before)
+            if row.id not in self.rows or row.done:  # (an idle slot; or it finished in the cycle before, read early)
                 continue
             committed = c[: a + 1][: row.remaining]
             row.tokens += committed
             row.ended = any(t in row.eos for t in committed)
             row.first = c[a]
             out[row.id] = committed
+        self._settle()
+        self._record(cycle, out, accepted)
         return out
 
     def _launch(self, first: mx.array, wanted: int) -> Launched:
@@ -302,7 +284,11 @@ class BatchDecoder:
         seconds = time.perf_counter() - tic
         self.clock.add_launch(seconds)
         self.block_sizes[L] += 1
-        return Launched(L, choices, accepted, features, guess, self.slots[lead].id, seconds, list(self.slots))
+        return Launched(L, choices, accepted, features, guess, self.slots[lead].id, seconds)
+
+    def _launch_from_host(self) -> Launched:
+        """A cycle after the rows' committed tokens, as the host knows them (none queued before it)."""
+        return self._launch(mx.array([row.first for row in self.slots], dtype=mx.uint32), self._wanted())
 
     def _wanted(self) -> int:
         """The most tokens a row still wants."""
@@ -311,15 +297,15 @@ class BatchDecoder:
     def _queues(self, size: int) -> bool:
         """Whether a cycle of up to ``size`` tokens can be queued before the one before it is read
         (or before the caller asks for it): where the options say so (GPUs), and while no row can
-        reach its ``max_tokens`` in it (a row leaving then would cut the batch, the queued cycle
-        rolled back unread, unless its slot stays: ``pad_rows``)."""
+        reach its ``max_tokens`` in it (a row leaving then would make the queued cycle be read
+        early, unless its slot stays: ``pad_rows``)."""
         options = self.target.options
         return (options.queue_ahead and self.target.rolls_back_on_device
                 and (options.pad_rows or min(r.remaining for r in self.rows.values()) > size))
 
-    def _roll_back(self, cycle: Launched, accepted: Union[mx.array, list[int]]) -> None:
-        """Cut each row back to its accepted prefix (counts still on the device, or read), add
-        its kept tokens to the draft's context, and set each row's next first token (``firsts``)."""
+    def _roll_back(self, cycle: Launched, accepted: Union[mx.array, list[int]]) -> mx.array:
+        """Cut each row back to its accepted prefix (counts still on the device, or read) and add
+        its kept tokens to the draft's context; returns each row's next first token (on the device)."""
         on_device = isinstance(accepted, mx.array)
         counts = accepted if on_device else mx.array(accepted)
         dropped = (cycle.size - 1) - counts
@@ -333,7 +319,7 @@ class BatchDecoder:
         for layer, ctx in zip(self.draft.layers, self.context):
             ctx.cache.update_and_fetch(*layer.self_attn.context_kv(context, ctx.cache.offset))
             ctx.cache.drop(dropped)
-        self.firsts = mx.take_along_axis(cycle.choices, counts[:, None], axis=1)[:, 0]
+        return mx.take_along_axis(cycle.choices, counts[:, None], axis=1)[:, 0]
 
     def _settle(self) -> None:
         """The counts are read: the caches read no further than the longest row (and a cycle
@@ -355,30 +341,14 @@ class BatchDecoder:
         if cycle.guess is not None:  # plain steps: the lead row's forecast checked against its tokens
             self.policy.record_cycle(cycle.size, lead, seconds, cycle.guess.tolist())
         else:
-            self.policy.record_rows(cycle.size, [a + 1 for row, a in zip(cycle.slots, accepted) if row.id in out],
+            self.policy.record_rows(cycle.size, [a + 1 for row, a in zip(self.slots, accepted) if row.id in out],
                                     seconds)
             self.policy.observe(lead)  # (a forecast's later guesses: the lead row's tokens)
 
-    def _roll_back_queued(self) -> None:
-        """Roll the queued cycle back on the device, unread (rows are about to join or leave)."""
-        if self.queued is not None:
-            self._roll_back(self.queued, self.queued.accepted)
-            self.unread.append(self.queued)
-            self.queued = None
-
-    def _read_unread(self) -> None:
-        """Read the cycles rolled back unread, in order; the next ``step`` gives their tokens."""
-        for cycle in self.unread:
-            for row_id, tokens in self._commit(cycle, cycle.choices.tolist(), cycle.accepted.tolist()).items():
-                self.landed.setdefault(row_id, []).extend(tokens)
-        if self.unread:
-            self.unread = []
-            self._settle()
-
     def _land(self) -> None:
-        """Read every cycle queued or unread now (rows leave whose caches must be exact)."""
-        self._roll_back_queued()
-        self._read_unread()
+        """Read a queued cycle now (rows are about to join or leave); the next ``step`` gives its tokens."""
+        if self.queued is not None:
+            self.landed = self._cycle(queue_next=False)
 
     def _size(self, wanted: int) -> tuple[int, bool]:
         """The cycle's block size (every row's) and whether it drafts a forecast beside plain steps."""
@@ -457,11 +427,9 @@ class BatchDecoder:
             self.cache = rows
             self.context = [BatchContext(c, sink, window)
                             for c, (sink, window) in zip(context_rows, self.draft.context_windows())]
-            self.firsts = mx.array([row.first], dtype=mx.uint32)
         else:
             for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*rows, *context_rows]):
                 mine.extend(new)
-            self.firsts = mx.concatenate([self.firsts, mx.array([row.first], dtype=mx.uint32)])
         self.slots.append(row)
         self._fit(width)
 

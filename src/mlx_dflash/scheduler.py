@@ -109,7 +109,7 @@ class BatchWorker:
                 continue
             try:
                 row = self.decoder.add(mx.array(request.prompt, dtype=mx.uint32), request.max_tokens, request.sampling,
-                                       frozenset(request.text.eos), queue_next=not self.pending)
+                                       frozenset(request.text.eos))
             except Exception as exc:  # (its prefill failed: it fails alone, the batch goes on)
                 send(request, exc)
                 continue
