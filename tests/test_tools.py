@@ -133,6 +133,8 @@ def test_batch_pattern(pair, blocks):
     assert int(steady.split(",")[0]) + int(after.split(",")[0]) == cycles and int(after.split(",")[0]) >= 1
     sizes, traced = out.split("block sizes ")[1].split("\n")[0].split("; compiled verifies traced: ")
     assert traced.isdigit(), traced
+    by_rows = ast.literal_eval(out.split("cycles by rows: ")[1].split("\n")[0])
+    assert sum(by_rows.values()) == cycles and set(by_rows) <= {1, 2}, by_rows
     if "--fixed" in blocks:
         assert int(traced) == 0, out  # (the untimed run before it traced every shape the timed run meets)
         assert set(ast.literal_eval(sizes)) <= {1, 2, 3, 4}, sizes  # (a row's last block may be shorter)
