@@ -152,6 +152,52 @@ def test_planted_acceptance_rows_join_and_leave(pair, queued):
     assert any(while_queued) == (queued and decoder.target.rolls_back_on_device)
 
 
+def test_rows_joining_while_a_cycle_is_queued_are_prefilled_behind_it(pair):
+    """Where cycles queue (GPUs), a row that joins while one is queued is prefilled behind it
+    and nothing is read: its first token comes from the next step (after that cycle's tokens
+    are read), and it merges into the cycle queued after. A row that asks for one token leaves
+    there without merging; one removed before its first token is read leaves no trace. Every
+    row's tokens stay its prompt's own."""
+    model, draft, references = pair
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED, references={})
+    behind = decoder.target.rolls_back_on_device  # (targets with rotating caches never queue: rows join at once)
+    outputs, index_of = {}, {}
+
+    def join(index: int):
+        queued = decoder.queued
+        row = decoder.add(mx.array(PROMPTS[index]), LIMITS[index])
+        decoder.references[row.id], index_of[row.id] = references[index], index
+        outputs[row.id] = list(row.tokens)
+        assert decoder.queued is queued and not decoder.landed  # (nothing read)
+        assert (row.tokens == []) == (queued is not None)
+        return row
+
+    for index in (0, 1):
+        join(index)
+    for row, tokens in decoder.step().items():  # (the first cycle; where cycles queue, the second is queued now)
+        outputs[row] += tokens
+    assert (decoder.queued is not None) == behind
+    one_token, removed, late = join(3), join(4), join(2)  # (PROMPTS[3] asks for 1 token)
+    decoder.remove(removed.id)
+    slots_before = [row.id for row in decoder.slots]
+    out = decoder.step()
+    if behind:
+        assert out[one_token.id] == [references[3][0]] and one_token.id not in decoder.rows
+        assert out[late.id] == [references[2][0]] and late.id in decoder.rows
+        assert removed.id not in out and late.id not in slots_before + [row.id for row in decoder.slots]
+    for row, tokens in out.items():
+        outputs[row] += tokens
+    while decoder.rows:
+        out = decoder.step()
+        if behind and late.id in out and len(outputs[late.id]) == 1:
+            assert late.id in [row.id for row in decoder.slots]  # (merged into the cycle queued after)
+        for row, tokens in out.items():
+            outputs[row] += tokens
+    del outputs[removed.id]
+    for row, tokens in outputs.items():
+        assert tokens == references[index_of[row]], row
+
+
 WAYS = {"compiled": EngineOptions(queue_ahead=False, compile_blocks=True),
         "eager": EngineOptions(queue_ahead=False, compile_blocks=False),
         "queued": QUEUED, "queued, rows not padded": dataclasses.replace(QUEUED, pad_rows=False)}
@@ -202,7 +248,8 @@ def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pa
     model, draft, references = pair
     decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED, references={})
     widths, launch = [], decoder._launch
-    decoder._launch = lambda first, wanted: widths.append((first.shape[0], len(decoder.rows))) or launch(first, wanted)
+    decoder._launch = lambda first, *args, **kwargs: widths.append(
+        (first.shape[0], sum(row.id in decoder.rows for row in decoder.slots))) or launch(first, *args, **kwargs)
     pending, outputs, queued_after_leave = [0, 1, 2, 4, 1, 0], {}, []
 
     def join() -> None:
@@ -232,8 +279,8 @@ def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pa
 @pytest.mark.parametrize("queued, adaptive", [(False, False), (True, False), (True, True)])
 def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pair, queued, adaptive):
     """Two rows reach an EOS in the same cycle (the same prompt: the same drafts and counts)
-    while the next cycle is queued; a third row joins just before it, which reads that cycle
-    early. Each finished row is in ``decoder.rows`` until the step that gives its last tokens
+    while the next cycle is queued; a third row joins just before it (prefilled behind the
+    queued cycle, where cycles queue). Each finished row is in ``decoder.rows`` until the step that gives its last tokens
     and never after it, gets nothing of a cycle read as it leaves (whose tokens would end it
     again), and the row beside them goes on undisturbed; ``adaptive``: a policy learns from the
     cycles, the one read early too (whose first row had finished)."""
@@ -262,7 +309,7 @@ def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pai
                 break
             live = set(decoder.rows)
             out = decoder.step()
-            if step == join_before:  # (it gave the cycle read early and queued the next, if a row is left)
+            if step == join_before:  # (it read the queued cycle and queued the next, if a row is left)
                 queued_then.append(decoder.queued is not None if decoder.rows else "no row left")
             for row, tokens in out.items():
                 misplaced.append(row not in live)  # (given tokens after it left)

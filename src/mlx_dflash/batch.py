@@ -5,7 +5,9 @@ Rows join (their prompt prefilled alone, then merged in) and leave between cycle
 draft a block for every row, verify the blocks as one [rows, block] batch, accept per row,
 roll each row back to its own accepted prefix, commit; on GPUs the next cycle is queued before
 this one is read, as in the engine, and the batch keeps a power-of-two number of rows, a
-finished row's slot idle until a new row takes it (``EngineOptions.pad_rows``). Each row keeps
+finished row's slot idle until a new row takes it (``EngineOptions.pad_rows``). There a row
+that joins while a cycle is queued is prefilled behind it, its first token read after it, and
+merged into the cycle queued after that one: the device never waits for the host's join. Each row keeps
 its own length in the caches (``batch_cache.py``), so rows that accepted different counts are
 cut back each by its own and the verify runs compiled where the engine's does; targets with
 sliding-window layers keep mlx-lm's left-padded batch caches (eager).
@@ -76,6 +78,19 @@ class Launched:
     guess: Optional[mx.array]  # a forecast's drafts (the lead row's), for the policy
     lead: int  # the row whose tokens the policy checks a forecast against (the first one decoding)
     launch_seconds: float  # host time spent building and queueing it
+    slots: list[Row]  # the batch's slots it ran (rows may join before it is read)
+    timed: bool = True  # False: queued behind a prefill, its cost is not the cycle's
+    next_first: Optional[mx.array] = None  # rolled back on the device: each row's next first token
+
+
+@dataclass
+class Joining:
+    """A row prefilled behind a queued cycle: its caches and first token, not read yet."""
+
+    row: Row
+    cache: list[Any]
+    contexts: list[KVCache]
+    first: mx.array  # [1]
 
 
 def batches(params: Optional[SamplingParams]) -> bool:
@@ -123,6 +138,10 @@ class BatchDecoder:
         # they are given: never a cycle queued while another's tokens wait).
         self.queued: Optional[Launched] = None
         self.landed: dict[int, list[int]] = {}
+        # Rows prefilled behind a queued cycle: first their first token is read (after that
+        # cycle), then they merge into the batch before the next cycle is queued.
+        self.joining: list[Joining] = []  # first token not read
+        self.ready: list[Joining] = []  # first token read, not merged
         self.clock = CycleClock()  # (a cycle's cost for the policy, launches queued ahead or not)
         self.block_sizes: Counter[int] = Counter()  # cycles run per block size (``/health``)
 
@@ -131,25 +150,38 @@ class BatchDecoder:
         """Prefill ``prompt`` alone (as ``generate`` does) and merge it into the batch (unless
         the prefill's token, its first output, is all it asked for or one of ``eos``); ``params``:
         how the row samples (None or temperature 0: greedy). The row leaves in the cycle that
-        commits its ``max_tokens``-th token or one of ``eos`` (tokens after it in that cycle included)."""
+        commits its ``max_tokens``-th token or one of ``eos`` (tokens after it in that cycle included).
+        While a cycle is queued the prefill is queued behind it and nothing is read: the row's
+        ``tokens`` stay empty and the next ``step`` gives its first token (then it merges)."""
         if not batches(params):
             raise DFlashError("a batch's rows sample with temperature, top_p, top_k and min_p only: seeded "
                               "requests, logits processors and match acceptance run alone")
         params = None if params is None or params.greedy else params.drawing()  # (a random stream of its own)
-        self._land()  # (before the prefill: a queued cycle's roll back reads what the target ran last)
+        behind = self.queued is not None
+        if behind and self.queued.next_first is None:  # (a roll back reads the target's latest call: before the prefill)
+            self.queued.next_first = self._roll_back(self.queued, self.queued.accepted)
         collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()
         logits, reused = prefill(self.target, collector, prompt, cache, self.target.options.prefill_step,
                                  prefix_cache=self.prefix_cache)
-        first = int(first_token(params, logits[None], prompt).item())
-        row = Row(self._next_id, prompt.tolist(), max_tokens, first, prompt.size, [first], reused, params, eos,
-                  first in eos)
+        first = first_token(params, logits[None], prompt)
+        row = Row(self._next_id, prompt.tolist(), max_tokens, -1, prompt.size, [], reused, params, eos)
         self._next_id += 1
+        if behind:  # (its first token comes from the next ``step``; queued here, the prefill fails here alone)
+            mx.async_eval(first, [c.state for c in cache], collector.state)
+            self.rows[row.id] = row
+            self.joining.append(Joining(row, cache, collector.caches, first))
+            return row
+        self._first_read(row, int(first.item()))
         if not row.done:
             self.rows[row.id] = row
             self._join(row, cache, collector.caches)
         self.clock = CycleClock()  # (the next cycle's cost is timed from here: not this prefill)
         return row
+
+    @staticmethod
+    def _first_read(row: Row, first: int) -> None:
+        row.first, row.tokens, row.ended = first, [first], first in row.eos
 
     def remove(self, row_id: int) -> None:
         """The row leaves the batch (its client went away); a prefix cache keeps its state: a
@@ -160,6 +192,11 @@ class BatchDecoder:
         """Rows leave together (their tokens of a cycle read early dropped), each row's state
         kept by the prefix cache; their slots are cut from the caches (a queued cycle read first,
         once) or, with ``pad_rows``, left idle."""
+        waiting = {j.row.id for j in [*self.joining, *self.ready]}
+        for row_id in waiting.intersection(row_ids):  # (not merged yet: nothing in the batch's caches)
+            del self.rows[row_id]
+        self.joining = [j for j in self.joining if j.row.id in self.rows]
+        self.ready = [j for j in self.ready if j.row.id in self.rows]
         leaving = [r for r in row_ids if r in self.rows]
         if not leaving:
             return
@@ -177,17 +214,18 @@ class BatchDecoder:
     def _slot(self, row_id: int) -> int:
         return next(i for i, row in enumerate(self.slots) if row.id == row_id)
 
-    def _fit(self, width: int) -> None:
+    def _fit(self, width: int) -> Optional[mx.array]:
         """Cut or pad the caches' batch to the slots the rows decoding need (``width``: the slots
-        before a joining row's): idle slots dropped, or copies of a row added as idle ones."""
-        if not self.rows:
-            self.slots, self.cache, self.context, self.queued = [], [], [], None
-            return
-        size = self._width(len(self.rows), width)
-        if size == len(self.slots):
-            return
-        self._land()
+        before a joining row's): idle slots dropped, or copies of a row added as idle ones.
+        Returns the slots kept (None: all, in place)."""
         decoding = [i for i, row in enumerate(self.slots) if row.id in self.rows]
+        if not decoding:
+            self.slots, self.cache, self.context, self.queued = [], [], [], None
+            return None
+        size = self._width(len(decoding), width)
+        if size == len(self.slots):
+            return None
+        self._land()
         idle = [i for i, row in enumerate(self.slots) if row.id not in self.rows][: max(size - len(decoding), 0)]
         keep = sorted(decoding + idle)
         copies = size - len(keep)
@@ -196,6 +234,7 @@ class BatchDecoder:
         index = mx.array(keep + [decoding[-1]] * copies)
         for c in [*self.cache, *(ctx.cache for ctx in self.context)]:
             c.filter(index)
+        return index
 
     def _width(self, decoding: int, width: int) -> int:
         """Slots for ``decoding`` rows in a batch ``width`` wide: as many, or with ``pad_rows`` a
@@ -208,7 +247,7 @@ class BatchDecoder:
     def clear(self) -> None:
         """Every row leaves at once, nothing read or kept (after a cycle failed)."""
         self.rows, self.slots, self.cache, self.context = {}, [], [], []
-        self.queued, self.landed = None, {}
+        self.queued, self.landed, self.joining, self.ready = None, {}, [], []
 
     def _keep_prefix(self, index: int, row: Row) -> None:
         """Store row ``index``'s caches, cut to its committed tokens but the latest (not in them yet)."""
@@ -226,12 +265,13 @@ class BatchDecoder:
         queued: ``_land``) gives its tokens instead, and queues the next cycle (GPUs). The rows
         that finished leave here, in the step that gives their last tokens, never between steps."""
         self.clock.resume()
-        if self.landed or not self.rows:
+        if self.landed or not (self.slots or self.ready):
             out, self.landed = self.landed, {}
         else:
             out = self._cycle(queue_next=True)
+        out.update(self._read_joining())
         self._leave([r for r, row in self.rows.items() if row.done])
-        if self.queued is None and not self.landed and self.rows and self._queues(self.block_size):
+        if self.queued is None and not self.landed and (self.slots or self.ready) and self._queues(self.block_size):
             # (it gave a cycle read early: the device would idle while the caller takes its tokens;
             # never while a leave just read one early, whose tokens the next step gives)
             self.queued = self._launch_from_host()
@@ -239,21 +279,24 @@ class BatchDecoder:
         return out
 
     def _cycle(self, queue_next: bool) -> dict[int, list[int]]:
-        """Read the queued cycle, or launch one and read it; with ``queue_next``, queue the next first."""
+        """Read the queued cycle, or launch one and read it; with ``queue_next``, queue the next first
+        (with the rows whose first token was read since: they merge before it)."""
         cycle = self.queued or self._launch_from_host()
         self.queued = None
         on_device = self.target.rolls_back_on_device
         if on_device:  # roll back by the counts still on the device, and queue the next cycle
-            first = self._roll_back(cycle, cycle.accepted)
+            first = cycle.next_first if cycle.next_first is not None else self._roll_back(cycle, cycle.accepted)
             if queue_next and self._queues(cycle.size):
-                self.queued = self._launch(first, self._wanted() - 1)
+                untimed = self.joining or self.ready  # (a prefill or a merge runs before it on the device)
+                first = self._merge_ready(first)
+                self.queued = self._launch(first, self._wanted() - 1, timed=not untimed)
         # Accept: the cycle's one device-to-host read (a forecast's guesses with it).
         choices, accepted = cycle.choices.tolist(), cycle.accepted.tolist()
         if not on_device:
             self._roll_back(cycle, accepted)
         # Commit.
         out: dict[int, list[int]] = {}
-        for row, a, c in zip(self.slots, accepted, choices):
+        for row, a, c in zip(cycle.slots, accepted, choices):
             row.length += a + 1
             if row.id not in self.rows or row.done:  # (an idle slot; or it finished in the cycle before, read early)
                 continue
@@ -266,9 +309,10 @@ class BatchDecoder:
         self._record(cycle, out, accepted)
         return out
 
-    def _launch(self, first: mx.array, wanted: int) -> Launched:
+    def _launch(self, first: mx.array, wanted: int, timed: bool = True) -> Launched:
         """Draft a block after each row's ``first`` ([rows]) and verify all of them in one target
-        forward, lazily (queued on the device); the block's size from the policy."""
+        forward, lazily (queued on the device); the block's size from the policy (``timed``: it
+        learns this cycle's cost)."""
         tic = time.perf_counter()
         L, forecast = self._size(wanted)
         drafted, q = self._draft(first, self.block_size if forecast else L)  # [rows, L - 1] (a forecast's: more)
@@ -284,11 +328,42 @@ class BatchDecoder:
         seconds = time.perf_counter() - tic
         self.clock.add_launch(seconds)
         self.block_sizes[L] += 1
-        return Launched(L, choices, accepted, features, guess, self.slots[lead].id, seconds)
+        return Launched(L, choices, accepted, features, guess, self.slots[lead].id, seconds, list(self.slots), timed)
 
     def _launch_from_host(self) -> Launched:
         """A cycle after the rows' committed tokens, as the host knows them (none queued before it)."""
+        self._merge_ready(None)
         return self._launch(mx.array([row.first for row in self.slots], dtype=mx.uint32), self._wanted())
+
+    def _read_joining(self) -> dict[int, list[int]]:
+        """The first tokens of the rows prefilled behind the cycle just read (one read for all);
+        a row that asked for no more, or began with an EOS, leaves without joining."""
+        if not self.joining:
+            return {}
+        firsts = mx.concatenate([j.first for j in self.joining]).tolist()
+        for j, first in zip(self.joining, firsts):
+            self._first_read(j.row, first)
+            if j.row.done:
+                del self.rows[j.row.id]
+            else:
+                self.ready.append(j)
+        out = {j.row.id: list(j.row.tokens) for j in self.joining}
+        self.joining = []
+        return out
+
+    def _merge_ready(self, first: Optional[mx.array]) -> Optional[mx.array]:
+        """Merge the rows whose first token was read; ``first``: the slots' next first tokens on
+        the device (None: the host knows them), returned for the slots after the merge."""
+        for j in self.ready:
+            if first is not None:
+                first = mx.concatenate([first, mx.array([j.row.first], dtype=first.dtype)])
+            kept = self._join(j.row, j.cache, j.contexts)
+            if first is not None and kept is not None:
+                first = first[kept]
+        if self.ready and first is None:
+            self.clock = CycleClock()  # (the next cycle's cost is timed from here: not these merges)
+        self.ready = []
+        return first
 
     def _wanted(self) -> int:
         """The most tokens a row still wants."""
@@ -336,12 +411,12 @@ class BatchDecoder:
             return
         seconds = self.clock.cycle_seconds(cycle.launch_seconds)  # (and the next cycle's window starts)
         lead = out.get(cycle.lead)  # (None: it had finished, a cycle read as rows left)
-        if lead is None:
+        if lead is None or not cycle.timed:
             return
         if cycle.guess is not None:  # plain steps: the lead row's forecast checked against its tokens
             self.policy.record_cycle(cycle.size, lead, seconds, cycle.guess.tolist())
         else:
-            self.policy.record_rows(cycle.size, [a + 1 for row, a in zip(self.slots, accepted) if row.id in out],
+            self.policy.record_rows(cycle.size, [a + 1 for row, a in zip(cycle.slots, accepted) if row.id in out],
                                     seconds)
             self.policy.observe(lead)  # (a forecast's later guesses: the lead row's tokens)
 
@@ -418,8 +493,9 @@ class BatchDecoder:
             drafted[i : i + 1] = row_drafts.astype(mx.uint32)[None]
         return drafted, q
 
-    def _join(self, row: Row, cache: list[Any], contexts: list[KVCache]) -> None:
-        """Append ``row`` (its prefilled caches) to the batch, then fit the batch's slots."""
+    def _join(self, row: Row, cache: list[Any], contexts: list[KVCache]) -> Optional[mx.array]:
+        """Append ``row`` (its prefilled caches) to the batch, then fit the batch's slots (which
+        it returns: ``_fit``)."""
         rows = [joined(c) for c in cache]
         context_rows = [RowsKVCache.joined(c) for c in contexts]
         width = len(self.slots)
@@ -431,7 +507,7 @@ class BatchDecoder:
             for mine, new in zip([*self.cache, *(ctx.cache for ctx in self.context)], [*rows, *context_rows]):
                 mine.extend(new)
         self.slots.append(row)
-        self._fit(width)
+        return self._fit(width)
 
 
 class _ContextCollector:

@@ -82,7 +82,8 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
     token together) runs as one block, with the verify's attention: the restored keys and values
     already differ from a cold prefill's in their last bits (a reply's came from verifies), and one
     pass instead of a chunk and a step is most of what a chat's next turn waits for."""
-    if (highest := prompt.max().item()) >= target.vocab_size:  # (past the embedding table: a read outside it)
+    # (checked on the host: a device read would wait for the work queued before this prompt, a batch's cycle)
+    if (highest := max(prompt.tolist())) >= target.vocab_size:  # (past the embedding table: a read outside it)
         raise DFlashError(f"the prompt holds token id {highest}, outside the target's vocabulary "
                           f"(0..{target.vocab_size - 1})")
     head = prompt[:-1].tolist() if prefix_cache is not None else []
@@ -95,7 +96,8 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
         end = min(start + step, prompt.size - tail)
         _, features = target(prompt[None, start:end], cache, prompt=True)
         proposer.add_context(features)
-        mx.eval([c.state for c in cache], proposer.state)  # (the draft's context is prompt work)
+        # (the draft's context is prompt work; the last chunk is not waited for: the last pass queues behind it)
+        (mx.async_eval if end == prompt.size - tail else mx.eval)([c.state for c in cache], proposer.state)
         if progress is not None:
             progress(end, prompt.size)
     if prefix_cache is not None and reused < len(head):

@@ -114,7 +114,8 @@ class BatchWorker:
                 send(request, exc)
                 continue
             request.row, request.reused_prompt_tokens = row.id, row.reused_prompt_tokens
-            send(request, [row.first])
+            if row.tokens:  # (else prefilled behind a queued cycle: its first token comes with the next step's)
+                send(request, list(row.tokens))
             if request.row in self.decoder.rows:
                 self.active[request.row] = request
             else:
