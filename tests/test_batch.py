@@ -62,6 +62,7 @@ class PlantedDrafts(BatchDecoder):
 # The GPU's cycle: the next queued before a read, and finished rows' slots left idle in a batch
 # of a power-of-two rows.
 QUEUED = EngineOptions(queue_ahead=True, compile_blocks=True, pad_rows=True)
+BEHIND = dataclasses.replace(QUEUED, join_behind=True)  # (rows joining while a cycle is queued prefilled behind it)
 
 
 def queues(decoder: BatchDecoder) -> list:
@@ -121,11 +122,16 @@ def test_adaptive_block_sizes_equal_each_prompt_alone(pair, planted, queued):
     assert BLOCK in sizes and (planted or 1 in sizes and any(forecast for *_, forecast in policy.history))
 
 
-@pytest.mark.parametrize("queued", [False, True])
-def test_planted_acceptance_rows_join_and_leave(pair, queued):
-    """Rows join mid-way (with ``queued``, while a cycle is queued: it is read first)."""
+JOINS = {"eager": EngineOptions(), "queued": QUEUED, "behind": BEHIND, "behind, rows not padded":
+         dataclasses.replace(BEHIND, pad_rows=False)}
+
+
+@pytest.mark.parametrize("way", JOINS)
+def test_planted_acceptance_rows_join_and_leave(pair, way):
+    """Rows join mid-way (queued: while a cycle is queued, read first; behind: prefilled behind it)."""
     model, draft, references = pair
-    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED if queued else EngineOptions(), references={})
+    queued = way != "eager"
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, JOINS[way], references={})
     outputs, accepted, while_queued = {}, [], []
     pending = list(zip(range(len(PROMPTS)), PROMPTS, LIMITS))
 
@@ -153,13 +159,13 @@ def test_planted_acceptance_rows_join_and_leave(pair, queued):
 
 
 def test_rows_joining_while_a_cycle_is_queued_are_prefilled_behind_it(pair):
-    """Where cycles queue (GPUs), a row that joins while one is queued is prefilled behind it
-    and nothing is read: its first token comes from the next step (after that cycle's tokens
+    """With ``join_behind``, where cycles queue (GPUs), a row that joins while one is queued is
+    prefilled behind it and nothing is read: its first token comes from the next step (after that cycle's tokens
     are read), and it merges into the cycle queued after. A row that asks for one token leaves
     there without merging; one removed before its first token is read leaves no trace. Every
     row's tokens stay its prompt's own."""
     model, draft, references = pair
-    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED, references={})
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, BEHIND, references={})
     behind = decoder.target.rolls_back_on_device  # (targets with rotating caches never queue: rows join at once)
     outputs, index_of = {}, {}
 
@@ -240,13 +246,14 @@ def test_a_row_that_leaves_early_disturbs_no_other(pair, queued):
     assert outputs[leaving] == references[2][: len(outputs[leaving])] and len(outputs[leaving]) < LIMITS[2]
 
 
-def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pair):
+@pytest.mark.parametrize("behind", [False, True])
+def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pair, behind):
     """With ``pad_rows`` (GPUs) every cycle drafts and verifies a power-of-two number of rows
     (idle slots beside the rows decoding): a finished row's slot stays idle, so the cycle
     queued behind its last is not read early; a new row takes an idle slot; the batch narrows
     once at most a quarter of it decodes. Each row's tokens stay its prompt's own."""
     model, draft, references = pair
-    decoder = PlantedDrafts(model, draft, BLOCK, None, None, QUEUED, references={})
+    decoder = PlantedDrafts(model, draft, BLOCK, None, None, BEHIND if behind else QUEUED, references={})
     widths, launch = [], decoder._launch
     decoder._launch = lambda first, *args, **kwargs: widths.append(
         (first.shape[0], sum(row.id in decoder.rows for row in decoder.slots))) or launch(first, *args, **kwargs)
@@ -276,11 +283,12 @@ def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pa
     assert queued_after_leave and all(queued_after_leave) == decoder.target.rolls_back_on_device
 
 
-@pytest.mark.parametrize("queued, adaptive", [(False, False), (True, False), (True, True)])
-def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pair, queued, adaptive):
+@pytest.mark.parametrize("queued, adaptive, behind", [(False, False, False), (True, False, False), (True, True, False),
+                                                      (True, False, True)])
+def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pair, queued, adaptive, behind):
     """Two rows reach an EOS in the same cycle (the same prompt: the same drafts and counts)
-    while the next cycle is queued; a third row joins just before it (prefilled behind the
-    queued cycle, where cycles queue). Each finished row is in ``decoder.rows`` until the step that gives its last tokens
+    while the next cycle is queued; a third row joins just before it, which reads that cycle
+    early (``behind``: is prefilled behind it). Each finished row is in ``decoder.rows`` until the step that gives its last tokens
     and never after it, gets nothing of a cycle read as it leaves (whose tokens would end it
     again), and the row beside them goes on undisturbed; ``adaptive``: a policy learns from the
     cycles, the one read early too (whose first row had finished)."""
@@ -296,7 +304,7 @@ def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pai
 
     def decode(join_before: int) -> tuple[list, dict, list, int, list]:
         decoder = BatchDecoder(model, draft, BLOCK, None, BlockPolicy(BLOCK) if adaptive else None,
-                               QUEUED if queued else EngineOptions())
+                               (BEHIND if behind else QUEUED) if queued else EngineOptions())
         rows = [decoder.add(mx.array(p), 40, eos=eos) for p in (twin, twin)]
         outputs = {row.id: list(row.tokens) for row in rows}
         misplaced, queued_then, twins_left = [], [], None
@@ -309,7 +317,7 @@ def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pai
                 break
             live = set(decoder.rows)
             out = decoder.step()
-            if step == join_before:  # (it read the queued cycle and queued the next, if a row is left)
+            if step == join_before:  # (it gave the cycle read early, or read it, and queued the next, if a row is left)
                 queued_then.append(decoder.queued is not None if decoder.rows else "no row left")
             for row, tokens in out.items():
                 misplaced.append(row not in live)  # (given tokens after it left)

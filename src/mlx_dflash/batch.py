@@ -5,9 +5,10 @@ Rows join (their prompt prefilled alone, then merged in) and leave between cycle
 draft a block for every row, verify the blocks as one [rows, block] batch, accept per row,
 roll each row back to its own accepted prefix, commit; on GPUs the next cycle is queued before
 this one is read, as in the engine, and the batch keeps a power-of-two number of rows, a
-finished row's slot idle until a new row takes it (``EngineOptions.pad_rows``). There a row
-that joins while a cycle is queued is prefilled behind it, its first token read after it, and
-merged into the cycle queued after that one: the device never waits for the host's join. Each row keeps
+finished row's slot idle until a new row takes it (``EngineOptions.pad_rows``); with
+``EngineOptions.join_behind`` a row that joins while a cycle is queued is prefilled behind it,
+its first token read after it, and merged into the cycle queued after that one, so the device
+does not wait for the host's join (otherwise the queued cycle is read first). Each row keeps
 its own length in the caches (``batch_cache.py``), so rows that accepted different counts are
 cut back each by its own and the verify runs compiled where the engine's does; targets with
 sliding-window layers keep mlx-lm's left-padded batch caches (eager).
@@ -151,14 +152,17 @@ class BatchDecoder:
         the prefill's token, its first output, is all it asked for or one of ``eos``); ``params``:
         how the row samples (None or temperature 0: greedy). The row leaves in the cycle that
         commits its ``max_tokens``-th token or one of ``eos`` (tokens after it in that cycle included).
-        While a cycle is queued the prefill is queued behind it and nothing is read: the row's
-        ``tokens`` stay empty and the next ``step`` gives its first token (then it merges)."""
+        With ``join_behind``, while a cycle is queued the prefill is queued behind it and nothing
+        is read: the row's ``tokens`` stay empty and the next ``step`` gives its first token (then
+        it merges)."""
         if not batches(params):
             raise DFlashError("a batch's rows sample with temperature, top_p, top_k and min_p only: seeded "
                               "requests, logits processors and match acceptance run alone")
         params = None if params is None or params.greedy else params.drawing()  # (a random stream of its own)
-        behind = self.queued is not None
-        if behind and self.queued.next_first is None:  # (a roll back reads the target's latest call: before the prefill)
+        behind = self.queued is not None and self.target.options.join_behind
+        if not behind:
+            self._land()  # (before the prefill: a queued cycle's roll back reads the target's latest call)
+        elif self.queued.next_first is None:  # (a roll back reads the target's latest call: before the prefill)
             self.queued.next_first = self._roll_back(self.queued, self.queued.accepted)
         collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()

@@ -39,6 +39,10 @@ class EngineOptions:
         new row takes it (GPUs: a row costs little there, and each new row count is a new trace
         of the compiled verify; a leave then reads the queued cycle early only to keep a hybrid
         target's recurrent state in a prefix cache).
+    join_behind: a row that joins a batch while a cycle is queued is prefilled behind it, nothing
+        read as it joins; the next step reads its first token and it merges into the cycle after
+        (off: the queued cycle is read first, then the row prefilled and merged; not yet measured
+        faster).
     """
 
     queue_ahead: Optional[bool] = None
@@ -51,6 +55,7 @@ class EngineOptions:
     prefill_step: int = 2048
     device_trees: Optional[bool] = None
     pad_rows: Optional[bool] = None
+    join_behind: bool = False
 
     def resolved(self) -> "EngineOptions":
         """These options with every ``None`` decided for the backend MLX runs on now
