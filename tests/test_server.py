@@ -203,10 +203,13 @@ def test_a_row_that_reaches_eos_leaves_the_batch_in_that_cycle(tiny_dir):
     assert not busy
 
 
-def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_dir):
+@pytest.mark.parametrize("behind", [False, True])
+def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_dir, behind):
     """Clients each send requests in turn to a batch that queues cycles ahead (as on GPUs) and
     chooses block sizes: many EOS ids make rows end often, several in one cycle and in cycles
-    read early as others join. Every reply is the request's solo reply, and the worker stays whole."""
+    read early as others join (``behind``: joining rows prefilled behind the queued cycle, their
+    first tokens streamed from the next step). Every reply is the request's solo reply, and the
+    worker stays whole."""
     path = make_tiny_target(tiny_dir / "eos-batch-llama", "llama")
     model, tokenizer = load_tiny(path)
     config = json.loads((path / "config.json").read_text())
@@ -217,9 +220,11 @@ def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_
     counts = Counter(t for run in runs for t in run[2:])
     tokenizer.eos_token_ids = {t for t, _ in counts.most_common(6)}  # (common: rows end often, many together)
     solo = [generate(model, tokenizer, p, draft, max_tokens=24).tokens for p in prompts]
-    options = EngineOptions(queue_ahead=True, compile_blocks=True)
+    options = EngineOptions(queue_ahead=True, compile_blocks=True, join_behind=behind)
     decoder = BatchDecoder(model, draft, 8, policy=BlockPolicy(8), options=options)
     worker = BatchWorker(decoder, asyncio.Lock(), MLXThread(), max_rows=4)
+    queued_at_join, add = [], decoder.add
+    decoder.add = lambda *args, **kwargs: queued_at_join.append(decoder.queued is not None) or add(*args, **kwargs)
 
     async def client(mine: list[int]) -> list[list[int]]:
         replies = []
@@ -244,6 +249,7 @@ def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_
     assert {i: reply for c, rs in enumerate(replies) for i, reply in zip(range(c, len(prompts), 4), rs)} == {
         i: tokens for i, tokens in enumerate(solo)}
     assert sum(len(t) < 24 for t in solo) >= 6  # (most ended at an EOS)
+    assert any(queued_at_join)  # (rows joined while a cycle was queued)
 
 
 def test_chat_streaming_equals_generate(server):

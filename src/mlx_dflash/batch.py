@@ -162,7 +162,7 @@ class BatchDecoder:
         behind = self.queued is not None and self.target.options.join_behind
         if not behind:
             self._land()  # (before the prefill: a queued cycle's roll back reads the target's latest call)
-        elif self.queued.next_first is None:  # (a roll back reads the target's latest call: before the prefill)
+        elif self.queued.next_first is None:  # (its roll back built now, before the prefill, for the same reason)
             self.queued.next_first = self._roll_back(self.queued, self.queued.accepted)
         collector = _ContextCollector(self.draft)
         cache = self.target.make_cache()
