@@ -160,10 +160,10 @@ def test_planted_acceptance_rows_join_and_leave(pair, way):
 
 def test_rows_joining_while_a_cycle_is_queued_are_prefilled_behind_it(pair):
     """With ``join_behind``, where cycles queue (GPUs), a row that joins while one is queued is
-    prefilled behind it and nothing is read: its first token comes from the next step (after that cycle's tokens
-    are read), and it merges into the cycle queued after. A row that asks for one token leaves
-    there without merging; one removed before its first token is read leaves no trace. Every
-    row's tokens stay its prompt's own."""
+    prefilled behind it and nothing is read: its first token comes from the next step (after
+    that cycle's tokens are read), and it merges into the cycle queued after. A row that asks
+    for one token leaves there without merging; one removed before its first token is read
+    leaves no trace. Every row's tokens stay its prompt's own."""
     model, draft, references = pair
     decoder = PlantedDrafts(model, draft, BLOCK, None, None, BEHIND, references={})
     behind = decoder.target.rolls_back_on_device  # (targets with rotating caches never queue: rows join at once)
@@ -288,10 +288,11 @@ def test_padded_rows_verify_a_power_of_two_and_a_leave_keeps_the_queued_cycle(pa
 def test_rows_that_end_at_eos_leave_in_the_step_that_gives_their_last_tokens(pair, queued, adaptive, behind):
     """Two rows reach an EOS in the same cycle (the same prompt: the same drafts and counts)
     while the next cycle is queued; a third row joins just before it, which reads that cycle
-    early (``behind``: is prefilled behind it). Each finished row is in ``decoder.rows`` until the step that gives its last tokens
-    and never after it, gets nothing of a cycle read as it leaves (whose tokens would end it
-    again), and the row beside them goes on undisturbed; ``adaptive``: a policy learns from the
-    cycles, the one read early too (whose first row had finished)."""
+    early (``behind``: is prefilled behind it). Each finished row is in ``decoder.rows`` until
+    the step that gives its last tokens and never after it, gets nothing of a cycle read as it
+    leaves (whose tokens would end it again), and the row beside them goes on undisturbed;
+    ``adaptive``: a policy learns from the cycles, the one read early too (whose first row had
+    finished)."""
     model, draft, references = pair
 
     def first_new(reference: list[int]) -> Optional[int]:  # (a token first made there, early enough to queue after)
