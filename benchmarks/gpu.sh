@@ -17,6 +17,8 @@
 #   serve         the default pair served to 1-16 clients (bfloat16 and float32) beside mlx_lm.server and
 #                 one request at a time, then the batch decoder alone in the server's pattern at 8 clients
 #                 (rows padded to a power of two and not)
+#   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows joining as today against
+#                 rows prefilled behind the queued cycle (EngineOptions.join_behind), alternating, twice each
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (164: all of HumanEval), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
@@ -82,6 +84,15 @@ for part in "${PARTS[@]}"; do
             | tee "$RESULTS/pattern-$dtype-pad-$pad.txt"
         done
       done ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve)" >&2; exit 2 ;;
+    joins)
+      model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
+      for run in 1 2; do
+        for way in read behind; do
+          flag=(); [ $way = behind ] && flag=(--join-behind)
+          python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 8 --max-tokens 256 "${flag[@]}" \
+            | tee "$RESULTS/joins-$way-$run.txt"
+        done
+      done ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, joins)" >&2; exit 2 ;;
   esac
 done
