@@ -266,8 +266,9 @@ class BatchDecoder:
     def step(self) -> dict[int, list[int]]:
         """One cycle for every row: draft, verify (one forward), accept, roll back, commit; the
         tokens each row committed, by row id. A cycle read early (rows joined or left while it was
-        queued: ``_land``) gives its tokens instead, and queues the next cycle (GPUs). The rows
-        that finished leave here, in the step that gives their last tokens, never between steps."""
+        queued: ``_land``) gives its tokens instead, and queues the next cycle (GPUs). Rows
+        prefilled behind the cycle (``join_behind``) get their first token here. The rows that
+        finished leave here, in the step that gives their last tokens, never between steps."""
         self.clock.resume()
         if self.landed or not (self.slots or self.ready):
             out, self.landed = self.landed, {}
