@@ -58,6 +58,10 @@ class Row:
     eos: frozenset = frozenset()  # tokens that end its text
     ended: bool = False  # it committed one of them
 
+    def begin(self, first: int) -> None:
+        """Its prefill's token, read: its first output and the next block's first token."""
+        self.first, self.tokens, self.ended = first, [first], first in self.eos
+
     @property
     def remaining(self) -> int:
         """Tokens it may still commit."""
@@ -176,16 +180,12 @@ class BatchDecoder:
             self.rows[row.id] = row
             self.joining.append(Joining(row, cache, collector.caches, first))
             return row
-        self._first_read(row, int(first.item()))
+        row.begin(int(first.item()))
         if not row.done:
             self.rows[row.id] = row
             self._join(row, cache, collector.caches)
         self.clock = CycleClock()  # (the next cycle's cost is timed from here: not this prefill)
         return row
-
-    @staticmethod
-    def _first_read(row: Row, first: int) -> None:
-        row.first, row.tokens, row.ended = first, [first], first in row.eos
 
     def remove(self, row_id: int) -> None:
         """The row leaves the batch (its client went away); a prefix cache keeps its state: a
@@ -196,9 +196,9 @@ class BatchDecoder:
         """Rows leave together (their tokens of a cycle read early dropped), each row's state
         kept by the prefix cache; their slots are cut from the caches (a queued cycle read first,
         once) or, with ``pad_rows``, left idle."""
-        waiting = {j.row.id for j in [*self.joining, *self.ready]}
-        for row_id in waiting.intersection(row_ids):  # (not merged yet: nothing in the batch's caches)
-            del self.rows[row_id]
+        for j in [*self.joining, *self.ready]:
+            if j.row.id in row_ids:  # (not merged yet: nothing in the batch's caches)
+                del self.rows[j.row.id]
         self.joining = [j for j in self.joining if j.row.id in self.rows]
         self.ready = [j for j in self.ready if j.row.id in self.rows]
         leaving = [r for r in row_ids if r in self.rows]
@@ -347,7 +347,7 @@ class BatchDecoder:
             return {}
         firsts = mx.concatenate([j.first for j in self.joining]).tolist()
         for j, first in zip(self.joining, firsts):
-            self._first_read(j.row, first)
+            j.row.begin(first)
             if j.row.done:
                 del self.rows[j.row.id]
             else:

@@ -82,11 +82,11 @@ def prefill(target: Target, proposer: Proposer, prompt: mx.array, cache: list[An
     token together) runs as one block, with the verify's attention: the restored keys and values
     already differ from a cold prefill's in their last bits (a reply's came from verifies), and one
     pass instead of a chunk and a step is most of what a chat's next turn waits for."""
-    # (checked on the host: a device read would wait for the work queued before this prompt, a batch's cycle)
-    if (highest := max(prompt.tolist())) >= target.vocab_size:  # (past the embedding table: a read outside it)
+    ids = prompt.tolist()  # (checked on the host: a device read would wait for work queued before, a batch's cycle)
+    if (highest := max(ids)) >= target.vocab_size:  # (past the embedding table: a read outside it)
         raise DFlashError(f"the prompt holds token id {highest}, outside the target's vocabulary "
                           f"(0..{target.vocab_size - 1})")
-    head = prompt[:-1].tolist() if prefix_cache is not None else []
+    head = ids[:-1] if prefix_cache is not None else []
     reused = prefix_cache.resume(target, proposer, cache, head) if prefix_cache is not None else 0
     rest = prompt.size - 1 - reused  # tokens before the last still to run
     as_block = reused > 0 and rest > 0 and all(isinstance(c, KVCache) for c in cache)
