@@ -17,8 +17,9 @@
 #   serve         the default pair served to 1-16 clients (bfloat16 and float32) beside mlx_lm.server and
 #                 one request at a time, then the batch decoder alone in the server's pattern at 8 clients
 #                 (rows padded to a power of two and not)
-#   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows joining as today against
-#                 rows prefilled behind the queued cycle (EngineOptions.join_behind), alternating, twice each
+#   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows joining after the queued
+#                 cycle is read against rows prefilled behind it (EngineOptions.join_behind), alternating, three
+#                 times each (the batch only: its one-at-a-time runs are in the serve part)
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (164: all of HumanEval), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
@@ -86,10 +87,10 @@ for part in "${PARTS[@]}"; do
       done ;;
     joins)
       model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
-      for run in 1 2; do
+      for run in 1 2 3; do
         for way in read behind; do
           flag=(); [ $way = behind ] && flag=(--join-behind)
-          python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 8 --max-tokens 256 "${flag[@]}" \
+          python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 8 --max-tokens 256 --no-alone "${flag[@]}" \
             | tee "$RESULTS/joins-$way-$run.txt"
         done
       done ;;

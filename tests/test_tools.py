@@ -120,14 +120,18 @@ def test_batch_costs(pair):
     assert [line.split(": a join takes")[0] for line in out.splitlines() if "a join takes" in line] == ["(rows=1", "(rows=2"]
 
 
-@pytest.mark.parametrize("blocks", [[], ["--fixed", "--block-size", "4"], ["--pad-rows", "on"]],
-                         ids=["adaptive", "fixed-4", "padded"])
+@pytest.mark.parametrize("blocks", [[], ["--fixed", "--block-size", "4"], ["--pad-rows", "on"],
+                                    ["--no-alone", "--join-behind"]],
+                         ids=["adaptive", "fixed-4", "padded", "batch-only"])
 def test_batch_pattern(pair, blocks):
     model, draft = pair
     out = run_tool("batch_pattern.py", "--model", model, "--draft", draft, "--clients", "2", "--requests", "2",
                    "--max-tokens", "6", *blocks)
     assert out.splitlines()[0].startswith("4 requests from 2 clients")
-    assert "batch / one at a time" in out and "same replies: 4/4" in out, out
+    if "--no-alone" in blocks:
+        assert "one at a time" not in out and "same replies" not in out, out
+    else:
+        assert "batch / one at a time" in out and "same replies: 4/4" in out, out
     steady, after = out.split("cycles with no join or leave before them: ")[1].split("\n")[0].split("; right after one: ")
     cycles = int(out.split(" cycles, ")[0].split("\n")[-1])
     assert int(steady.split(",")[0]) + int(after.split(",")[0]) == cycles and int(after.split(",")[0]) >= 1

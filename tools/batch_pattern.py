@@ -2,7 +2,7 @@
 served by the batch decoder as ``mlx-dflash serve`` does, beside the same requests one at a time.
 
     python tools/batch_pattern.py [--model M] [--draft D] [--clients 8] [--requests 2] [--max-tokens 256]
-        [--block-size B] [--fixed] [--pad-rows on|off] [--join-behind]
+        [--block-size B] [--fixed] [--pad-rows on|off] [--join-behind] [--no-alone]
 
 The requests are HumanEval prompts in the chat template, each reply ending at EOS or
 ``--max-tokens``. In the batch a reply's row leaves at the end of the cycle that finished it
@@ -10,7 +10,7 @@ and the client's next request joins (its prompt prefilled alone), with the serve
 policy (``--fixed``: full blocks of ``--block-size``) and prefix cache, its rows padded to a
 power of two on GPUs (``--pad-rows``: on or off anywhere, ``EngineOptions.pad_rows``), and
 with ``--join-behind`` a request that joins while a cycle is queued (GPUs) prefilled behind it
-(``EngineOptions.join_behind``); alone,
+(``EngineOptions.join_behind``); alone (unless ``--no-alone``: A/Bs of the batch's options),
 each request runs on the single-sequence engine with a policy of its own that carries over
 and a prefix cache, as a server serving one at a time. Both ways run once untimed first
 (kernels built, policies taught), then timed. Reported:
@@ -50,6 +50,8 @@ parser.add_argument("--pad-rows", choices=["on", "off"], default=None,
                     help="the batch a power of two rows wide (default: on GPUs)")
 parser.add_argument("--join-behind", action="store_true",
                     help="requests that join while a cycle is queued prefilled behind it (GPUs)")
+parser.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
+                    help="the same requests one at a time beside the batch (--no-alone: the batch only)")
 args = parser.parse_args()
 
 use_fast_blas()
@@ -134,13 +136,13 @@ decoder = BatchDecoder(model, draft, block_size, prefix_cache=prefix_cache(), po
                                              join_behind=args.join_behind))
 solo_policy = policy()
 batched(decoder)
-alone(solo_policy)
+if args.alone:
+    alone(solo_policy)
 decoder.block_sizes.clear()
 decoder.prefix_cache = prefix_cache()  # (the timed run meets the prompts afresh)
 traced = decoder.target.recorder.traces
 wall, replies, parts, rows, steady = batched(decoder)
 traced = decoder.target.recorder.traces - traced
-solo_wall, solo_replies = alone(solo_policy)
 tokens = sum(len(t) for t in replies.values())
 cycles = max(sum(rows.values()), 1)
 print(f"{len(prompts)} requests from {args.clients} clients, {tokens} tokens, "
@@ -155,9 +157,11 @@ print(f"  {sum(rows.values())} cycles, {row_cycles / cycles:.2f} rows a cycle, "
       f"{parts['tokens'] / row_cycles:.2f} tokens a row and cycle; "
       f"block sizes {dict(sorted(decoder.block_sizes.items()))}; compiled verifies traced: {traced}")
 print(f"  cycles by rows: {dict(sorted(rows.items(), reverse=True))}")
-print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.1f} tok/s "
-      f"({solo_wall:.2f} s); batch / one at a time: {solo_wall / wall * tokens / sum(map(len, solo_replies.values())):.2f}x")
-print(f"same replies: {sum(replies[r] == solo_replies[r] for r in replies)}/{len(replies)}")
+if args.alone:
+    solo_wall, solo_replies = alone(solo_policy)
+    print(f"one at a time: {sum(len(t) for t in solo_replies.values()) / solo_wall:.1f} tok/s "
+          f"({solo_wall:.2f} s); batch / one at a time: {solo_wall / wall * tokens / sum(map(len, solo_replies.values())):.2f}x")
+    print(f"same replies: {sum(replies[r] == solo_replies[r] for r in replies)}/{len(replies)}")
 if decoder.policy is not None:  # what the batch's policy believed at the end: its choices' reasons
     known = decoder.policy.costs()
     for key in sorted(k for k in known if k is not None and known[k][0]):
