@@ -17,9 +17,9 @@
 #   serve         the default pair served to 1-16 clients (bfloat16 and float32) beside mlx_lm.server and
 #                 one request at a time, then the batch decoder alone in the server's pattern at 8 clients
 #                 (rows padded to a power of two and not)
-#   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows joining after the queued
-#                 cycle is read against rows prefilled behind it (EngineOptions.join_behind), alternating, three
-#                 times each (the batch only: its one-at-a-time runs are in the serve part)
+#   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows prefilled behind the queued
+#                 cycle (EngineOptions.join_behind, the GPU default) against rows joining after it is read,
+#                 alternating, three times each (the batch only: its one-at-a-time runs are in the serve part)
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (164: all of HumanEval), LENGTHS (1024),
 #      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
@@ -88,10 +88,9 @@ for part in "${PARTS[@]}"; do
     joins)
       model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
       for run in 1 2 3; do
-        for way in read behind; do
-          flag=(); [ $way = behind ] && flag=(--join-behind)
-          python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 8 --max-tokens 256 --no-alone "${flag[@]}" \
-            | tee "$RESULTS/joins-$way-$run.txt"
+        for way in off on; do
+          python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 8 --max-tokens 256 --no-alone \
+            --join-behind $way | tee "$RESULTS/joins-$way-$run.txt"
         done
       done ;;
     *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, joins)" >&2; exit 2 ;;

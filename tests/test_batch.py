@@ -158,6 +158,16 @@ def test_planted_acceptance_rows_join_and_leave(pair, way):
     assert any(while_queued) == (queued and decoder.target.rolls_back_on_device)
 
 
+def test_batches_pad_rows_and_join_behind_by_default_on_gpus_only(monkeypatch):
+    """Both measured faster on GPUs only; set, each is forced on any backend."""
+    from mlx_dflash import options as options_module
+
+    assert (EngineOptions().resolved().pad_rows, EngineOptions().resolved().join_behind) == (False, False)
+    monkeypatch.setattr(options_module, "on_gpu", lambda: True)
+    assert (EngineOptions().resolved().pad_rows, EngineOptions().resolved().join_behind) == (True, True)
+    assert EngineOptions(join_behind=False, pad_rows=False).resolved().join_behind is False
+
+
 def test_rows_joining_while_a_cycle_is_queued_are_prefilled_behind_it(pair):
     """With ``join_behind``, where cycles queue (GPUs), a row that joins while one is queued is
     prefilled behind it and nothing is read: its first token comes from the next step (after

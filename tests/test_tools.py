@@ -121,7 +121,7 @@ def test_batch_costs(pair):
 
 
 @pytest.mark.parametrize("blocks", [[], ["--fixed", "--block-size", "4"], ["--pad-rows", "on"],
-                                    ["--no-alone", "--join-behind"]],
+                                    ["--no-alone", "--join-behind", "on"]],
                          ids=["adaptive", "fixed-4", "padded", "batch-only"])
 def test_batch_pattern(pair, blocks):
     model, draft = pair

@@ -2,17 +2,17 @@
 served by the batch decoder as ``mlx-dflash serve`` does, beside the same requests one at a time.
 
     python tools/batch_pattern.py [--model M] [--draft D] [--clients 8] [--requests 2] [--max-tokens 256]
-        [--block-size B] [--fixed] [--pad-rows on|off] [--join-behind] [--no-alone]
+        [--block-size B] [--fixed] [--pad-rows on|off] [--join-behind on|off] [--no-alone]
 
 The requests are HumanEval prompts in the chat template, each reply ending at EOS or
 ``--max-tokens``. In the batch a reply's row leaves at the end of the cycle that finished it
 and the client's next request joins (its prompt prefilled alone), with the server's adaptive
 policy (``--fixed``: full blocks of ``--block-size``) and prefix cache, its rows padded to a
 power of two on GPUs (``--pad-rows``: on or off anywhere, ``EngineOptions.pad_rows``), and
-with ``--join-behind`` a request that joins while a cycle is queued (GPUs) prefilled behind it
-(``EngineOptions.join_behind``); alone (unless ``--no-alone``: A/Bs of the batch's options),
-each request runs on the single-sequence engine with a policy of its own that carries over
-and a prefix cache, as a server serving one at a time. Both ways run once untimed first
+a request that joins while a cycle is queued prefilled behind it on GPUs (``--join-behind``:
+on or off anywhere, ``EngineOptions.join_behind``). Alone (unless ``--no-alone``, for A/Bs of
+the batch's options), each request runs on the single-sequence engine with a policy of its own
+that carries over and a prefix cache, as a server serving one at a time. Both ways run once untimed first
 (kernels built, policies taught), then timed. Reported:
 tokens/s over the wall time of each way; for the batch the seconds spent in joins, cycles and
 leaves (and of the cycles, the median of those with no join or leave just before them against
@@ -48,8 +48,8 @@ parser.add_argument("--block-size", type=int, default=None, help="the largest bl
 parser.add_argument("--fixed", action="store_true", help="full blocks instead of the adaptive policy")
 parser.add_argument("--pad-rows", choices=["on", "off"], default=None,
                     help="the batch a power of two rows wide (default: on GPUs)")
-parser.add_argument("--join-behind", action="store_true",
-                    help="requests that join while a cycle is queued prefilled behind it (GPUs)")
+parser.add_argument("--join-behind", choices=["on", "off"], default=None,
+                    help="requests that join while a cycle is queued prefilled behind it (default: on GPUs)")
 parser.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
                     help="the same requests one at a time beside the batch (--no-alone: the batch only)")
 args = parser.parse_args()
@@ -133,7 +133,7 @@ def policy():
 
 decoder = BatchDecoder(model, draft, block_size, prefix_cache=prefix_cache(), policy=policy() or None,
                        options=EngineOptions(pad_rows=None if args.pad_rows is None else args.pad_rows == "on",
-                                             join_behind=args.join_behind))
+                                             join_behind=None if args.join_behind is None else args.join_behind == "on"))
 solo_policy = policy()
 batched(decoder)
 if args.alone:

@@ -41,8 +41,7 @@ class EngineOptions:
         target's recurrent state in a prefix cache).
     join_behind: a row that joins a batch while a cycle is queued is prefilled behind it, nothing
         read as it joins; the next step reads its first token and it merges into the cycle after
-        (off: the queued cycle is read first, then the row prefilled and merged; not yet measured
-        faster).
+        (GPUs; off: the queued cycle is read first, then the row prefilled and merged).
     """
 
     queue_ahead: Optional[bool] = None
@@ -55,7 +54,7 @@ class EngineOptions:
     prefill_step: int = 2048
     device_trees: Optional[bool] = None
     pad_rows: Optional[bool] = None
-    join_behind: bool = False
+    join_behind: Optional[bool] = None
 
     def resolved(self) -> "EngineOptions":
         """These options with every ``None`` decided for the backend MLX runs on now
@@ -67,7 +66,8 @@ class EngineOptions:
 
         return replace(self, queue_ahead=pick(self.queue_ahead), pad_reads=pick(self.pad_reads),
                        compile_draft=pick(self.compile_draft), pack_draft=pick(self.pack_draft),
-                       device_trees=pick(self.device_trees), pad_rows=pick(self.pad_rows))
+                       device_trees=pick(self.device_trees), pad_rows=pick(self.pad_rows),
+                       join_behind=pick(self.join_behind))
 
     def longest_compiled_block(self, padded_block: int) -> int:
         """Blocks of 2..this many tokens run compiled (0: none)."""
