@@ -203,13 +203,53 @@ def test_a_row_that_reaches_eos_leaves_the_batch_in_that_cycle(tiny_dir):
     assert not busy
 
 
-@pytest.mark.parametrize("behind", [False, True])
-def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_dir, behind):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_cycles_tokens_are_handed_over_after_the_next_cycle_starts_with_overlap_delivery(tiny_dir, overlap):
+    """Without ``overlap_delivery`` a request gets each cycle's tokens as that cycle ends; with
+    it, once the next cycle has been handed to the model thread (the last cycle's: once it ends).
+    The tokens are the solo run's either way."""
+    path = make_tiny_target(tiny_dir / "overlap-qwen3", "qwen3")
+    model, tokenizer = load_tiny(path)
+    tokenizer.eos_token_ids = set()
+    config = json.loads((path / "config.json").read_text())
+    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
+    prompt = tokenizer.encode("Hand them over")
+    solo = generate(model, tokenizer, prompt, draft, max_tokens=20).tokens
+    decoder = BatchDecoder(model, draft, options=EngineOptions(overlap_delivery=overlap))
+    worker = BatchWorker(decoder, asyncio.Lock(), MLXThread(), max_rows=4)
+    begun, run = [0], worker.thread.run  # (cycles handed to the model thread: the worker's only calls there)
+
+    async def counted(*args):
+        begun[0] += 1
+        return await run(*args)
+    worker.thread.run = counted
+
+    async def serve_one() -> tuple[TextStream, list[int]]:
+        text, seen = TextStream(tokenizer, mx.array(prompt), 20), []
+
+        async def connected() -> bool:
+            return False
+        async for _ in worker.stream(BatchRequest(prompt, 20, text), connected):
+            seen.append(begun[0])
+        return text, seen
+
+    try:
+        text, seen = asyncio.run(serve_one())
+    finally:
+        worker.thread.close()
+    assert text.tokens == solo and len(seen) >= 4
+    # (response 0: the prefill's token, given as the row joins in cycle 1; response j: cycle j's tokens)
+    assert seen[0] == 1 and seen[-1] == len(seen) - 1
+    assert seen[1:-1] == [j + 1 if overlap else j for j in range(1, len(seen) - 1)], seen
+
+
+@pytest.mark.parametrize("behind, overlap", [(False, False), (True, False), (True, True)])
+def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_dir, behind, overlap):
     """Clients each send requests in turn to a batch that queues cycles ahead (as on GPUs) and
     chooses block sizes: many EOS ids make rows end often, several in one cycle and in cycles
     read early as others join (``behind``: joining rows prefilled behind the queued cycle, their
-    first tokens streamed from the next step). Every reply is the request's solo reply, and the
-    worker stays whole."""
+    first tokens streamed from the next step; ``overlap``: each cycle's tokens handed over once
+    the next has begun). Every reply is the request's solo reply, and the worker stays whole."""
     path = make_tiny_target(tiny_dir / "eos-batch-llama", "llama")
     model, tokenizer = load_tiny(path)
     config = json.loads((path / "config.json").read_text())
@@ -220,7 +260,7 @@ def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_
     counts = Counter(t for run in runs for t in run[2:])
     tokenizer.eos_token_ids = {t for t, _ in counts.most_common(6)}  # (common: rows end often, many together)
     solo = [generate(model, tokenizer, p, draft, max_tokens=24).tokens for p in prompts]
-    options = EngineOptions(queue_ahead=True, compile_blocks=True, join_behind=behind)
+    options = EngineOptions(queue_ahead=True, compile_blocks=True, join_behind=behind, overlap_delivery=overlap)
     decoder = BatchDecoder(model, draft, 8, policy=BlockPolicy(8), options=options)
     worker = BatchWorker(decoder, asyncio.Lock(), MLXThread(), max_rows=4)
     queued_at_join, add = [], decoder.add

@@ -5,7 +5,11 @@ prompt prefilled alone) and drops the rows whose client went away or whose text 
 string, then runs one cycle for all rows and hands each request its committed tokens; a row
 that reached an EOS or its ``max_tokens`` in that cycle leaves at once. Every model call runs
 under the server's lock, one cycle at a time, so a generation outside the batch (a seeded
-request, or one that came alone) runs its cycles between the batch's.
+request, or one that came alone) runs its cycles between the batch's. With
+``EngineOptions.overlap_delivery`` a cycle's tokens are handed over once the next cycle has
+started on the model thread, so the handlers' work overlaps it (MLX lets other threads run while
+it waits for the device); a row whose client left or whose text ended is then dropped a cycle
+later.
 """
 
 from __future__ import annotations
@@ -82,15 +86,21 @@ class BatchWorker:
             request.leaving = True
 
     async def _run(self) -> None:
-        while self.pending or self.active:
+        loop, overlap = asyncio.get_running_loop(), self.decoder.target.options.overlap_delivery
+        sends: list[tuple[BatchRequest, Any]] = []  # a cycle's tokens not handed over yet (``overlap``)
+        while self.pending or self.active or sends:
             try:
                 async with self.lock:
-                    await self.thread.run(self._cycle, asyncio.get_running_loop())
+                    # (with ``overlap`` the next cycle is started on the model thread, then the handlers fed)
+                    cycle = asyncio.ensure_future(self.thread.run(self._cycle, loop, overlap)) if self.busy else None
+                    for request, item in sends:
+                        request.tokens.put_nowait(item)
+                    sends = await cycle if cycle is not None else []
             except Exception as exc:  # the requests in the batch get the error; the batch starts afresh
                 for request in [*self.active.values(), *self.pending]:
                     request.tokens.put_nowait(exc)
                 self.decoder.clear()
-                self.active, self.pending = {}, []
+                self.active, self.pending, sends = {}, [], []
             await asyncio.sleep(0)  # (let handlers read their tokens and new requests arrive)
 
     def stats(self) -> dict:
@@ -98,8 +108,12 @@ class BatchWorker:
                 "peak_rows": self.peak_rows, "moved_in": self.moved_in,
                 "block_sizes": dict(sorted(self.decoder.block_sizes.items()))}
 
-    def _cycle(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Join waiting requests, drop leaving rows, run one cycle (on the server's model thread)."""
+    def _cycle(self, loop: asyncio.AbstractEventLoop, defer: bool) -> list[tuple[BatchRequest, Any]]:
+        """Join waiting requests, drop leaving rows, run one cycle (on the server's model thread).
+        Requests get their tokens (None: their end) or their error at once, or with ``defer`` the
+        cycle's tokens are returned instead, for the worker to hand over."""
+        sends: list[tuple[BatchRequest, Any]] = []
+
         def send(request: BatchRequest, tokens: Any) -> None:
             loop.call_soon_threadsafe(request.tokens.put_nowait, tokens)
 
@@ -125,13 +139,16 @@ class BatchWorker:
                 self.decoder.remove(row)
                 del self.active[row]
         if not self.active:
-            return
+            return sends
         self.cycles, self.peak_rows = self.cycles + 1, max(self.peak_rows, len(self.active))
         for row, committed in self.decoder.step().items():
             # A row that reached its max_tokens or an EOS left in this cycle, and leaves the worker
             # before its client hears: a request that comes next then finds the batch empty and runs alone.
             left = row not in self.decoder.rows
             request = self.active.pop(row) if left else self.active[row]
-            send(request, committed)
-            if left:
-                send(request, None)
+            for item in [committed, None] if left else [committed]:
+                if defer:
+                    sends.append((request, item))
+                else:
+                    send(request, item)
+        return sends
