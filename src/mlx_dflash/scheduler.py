@@ -91,11 +91,11 @@ class BatchWorker:
         while self.pending or self.active or sends:
             try:
                 async with self.lock:
-                    # (with ``overlap`` the next cycle is started on the model thread, then the handlers fed)
-                    cycle = asyncio.ensure_future(self.thread.run(self._cycle, loop, overlap)) if self.busy else None
+                    # (``overlap``: the handlers fed here run only once the await below has handed
+                    # the next cycle to the model thread)
                     for request, item in sends:
                         request.tokens.put_nowait(item)
-                    sends = await cycle if cycle is not None else []
+                    sends = await self.thread.run(self._cycle, loop, overlap) if self.busy else []
             except Exception as exc:  # the requests in the batch get the error; the batch starts afresh
                 for request in [*self.active.values(), *self.pending]:
                     request.tokens.put_nowait(exc)
