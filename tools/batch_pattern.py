@@ -27,6 +27,7 @@ import argparse
 import statistics
 import time
 from collections import Counter
+from typing import Optional
 
 import mlx.core as mx
 
@@ -127,13 +128,17 @@ def alone(policy) -> tuple[float, dict[int, list[int]]]:
     return time.perf_counter() - tic, replies
 
 
+def switch(value: Optional[str]) -> Optional[bool]:
+    """An ``on``/``off`` argument as an option's value (None: the backend's default)."""
+    return None if value is None else value == "on"
+
+
 def policy():
     return False if args.fixed else BlockPolicy(block_size)
 
 
 decoder = BatchDecoder(model, draft, block_size, prefix_cache=prefix_cache(), policy=policy() or None,
-                       options=EngineOptions(pad_rows=None if args.pad_rows is None else args.pad_rows == "on",
-                                             join_behind=None if args.join_behind is None else args.join_behind == "on"))
+                       options=EngineOptions(pad_rows=switch(args.pad_rows), join_behind=switch(args.join_behind)))
 solo_policy = policy()
 batched(decoder)
 if args.alone:
