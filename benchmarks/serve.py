@@ -2,7 +2,7 @@
 server one request at a time, and mlx-lm's batched server (no draft), side by side on one machine.
 
     python benchmarks/serve.py [--model M] [--draft D] [--clients 1 4 8 16] [--requests 2] [--max-tokens 128]
-        [--also-fixed]
+        [--also-fixed] [--servers batched one-at-a-time mlx-lm] [--rounds N]
 
 Each server runs in a process of its own on loopback (started, warmed with short requests at
 each client count and one lone request of the full length, timed, stopped, one after the
@@ -12,7 +12,9 @@ Reported per server and C: completion tokens per second over the wall time of al
 per output token after it, and how many replies ran to ``--max-tokens`` (often loops, easy to draft:
 they flatter a speculative server's aggregate) with their share of the tokens. Markdown on stdout;
 ``--json FILE`` keeps every request's figures. ``--also-fixed``: our two servers also with fixed
-full blocks (``serve --no-adaptive``), to tell the adaptive policy's part.
+full blocks (``serve --no-adaptive``), to tell the adaptive policy's part. ``--rounds N`` starts
+each server N times, the servers taking turns round by round (a GPU machine drifts by 20-40%
+between runs: compare the medians it adds, per server and client count).
 """
 
 import argparse
@@ -32,6 +34,10 @@ from mlx_dflash.bench import humaneval_prompts
 from mlx_dflash.models import DEFAULT_MODEL, fetch, shipped_draft
 
 
+SERVERS = {"batched": "mlx-dflash, batched", "one-at-a-time": "mlx-dflash, one at a time",
+           "mlx-lm": "mlx_lm.server, batched, no draft"}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="an mlx-lm model folder (default: the embedded default model)")
@@ -42,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8391)
     parser.add_argument("--json", default=None, help="write every request's figures here")
     parser.add_argument("--also-fixed", action="store_true", help="our servers with fixed blocks too")
+    parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS),
+                        help="which servers to run (default: all three)")
+    parser.add_argument("--rounds", type=int, default=1, help="start every server this many times, taking turns")
     return parser.parse_args()
 
 
@@ -106,45 +115,55 @@ def main() -> None:
     use_fast_blas()  # (the servers inherit it: mlx-lm's on the same BLAS as ours)
     model = args.model or str(fetch(DEFAULT_MODEL))
     draft = args.draft or shipped_draft(DEFAULT_MODEL)
-    most = max(args.clients)
+    most = max(*args.clients, 8)  # (the batch width: the most clients, at least serve's default)
     ours = [sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", model, "--draft", draft, "--port", str(args.port)]
     servers = {
-        "mlx-dflash, batched": ours + ["--decode-concurrency", str(most)],
-        "mlx-dflash, one at a time": ours + ["--decode-concurrency", "1"],
+        SERVERS["batched"]: ours + ["--decode-concurrency", str(most)],
+        SERVERS["one-at-a-time"]: ours + ["--decode-concurrency", "1"],
         **({"mlx-dflash, batched, fixed blocks": ours + ["--decode-concurrency", str(most), "--no-adaptive"],
             "mlx-dflash, one at a time, fixed blocks": ours + ["--decode-concurrency", "1", "--no-adaptive"]}
            if args.also_fixed else {}),
-        "mlx_lm.server, batched, no draft": [sys.executable, "-m", "mlx_lm.server", "--model", model,
-                                             "--port", str(args.port), "--decode-concurrency", str(most)],
+        SERVERS["mlx-lm"]: [sys.executable, "-m", "mlx_lm.server", "--model", model,
+                            "--port", str(args.port), "--decode-concurrency", str(most)],
     }
+    chosen = {SERVERS[name] for name in args.servers}
+    servers = {label: command for label, command in servers.items() if label.split(", fixed")[0] in chosen}
     prompts = humaneval_prompts()
     rows, everything = [], {}
-    for label, command in servers.items():
-        process = start(command, args.port)
-        try:
-            # (mlx-lm's server takes "default_model" for the model it was started with)
-            served = "default_model" if label.startswith("mlx_lm") else httpx.get(
-                f"http://127.0.0.1:{args.port}/v1/models").json()["data"][0]["id"]
-            for clients in args.clients:  # (warm: each batch size's kernels built before timing)
-                run_clients(args.port, served, clients, 1, prompts, max(8, args.max_tokens // 4))
-            # and a lone client at the full length (a prompt the timed runs do not send): in the batched server
-            # the warm-up's first requests move into the batch, so its single-sequence engine would otherwise
-            # meet the longer caches' shapes (new traces) in the timed runs
-            run_clients(args.port, served, 1, 1, prompts[-1:], args.max_tokens)
-            for clients in args.clients:
-                result = run_clients(args.port, served, clients, args.requests, prompts, args.max_tokens)
-                everything.setdefault(label, []).append(result)
-                rows.append((label, result))
-                print(f"{label}: {clients} clients: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
+    for _ in range(args.rounds):
+        for label, command in servers.items():
+            process = start(command, args.port)
+            try:
+                # (mlx-lm's server takes "default_model" for the model it was started with)
+                served = "default_model" if label.startswith("mlx_lm") else httpx.get(
+                    f"http://127.0.0.1:{args.port}/v1/models").json()["data"][0]["id"]
+                for clients in args.clients:  # (warm: each batch size's kernels built before timing)
+                    run_clients(args.port, served, clients, 1, prompts, max(8, args.max_tokens // 4))
+                # and a lone client at the full length (a prompt the timed runs do not send): in the batched server
+                # the warm-up's first requests move into the batch, so its single-sequence engine would otherwise
+                # meet the longer caches' shapes (new traces) in the timed runs
+                run_clients(args.port, served, 1, 1, prompts[-1:], args.max_tokens)
+                for clients in args.clients:
+                    result = run_clients(args.port, served, clients, args.requests, prompts, args.max_tokens)
+                    everything.setdefault(label, []).append(result)
+                    rows.append((label, result))
+                    print(f"{label}: {clients} clients: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            finally:
+                process.terminate()
+                process.wait(timeout=60)
     print("| server | clients | aggregate tok/s | TTFT p50 / p95 s | per token p50 / p95 ms | at the cap (token share) |")
     print("|---|---|---|---|---|---|")
     for label, r in rows:
         print(f"| {label} | {r['clients']} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
               f"{r['per_token_p50_ms']:.1f} / {r['per_token_p95_ms']:.1f} | "
               f"{r['at_cap']}/{len(r['requests'])} ({r['at_cap_token_share']:.0%}) |")
+    if args.rounds > 1:
+        print("\n| server | clients | aggregate tok/s, round by round | median |")
+        print("|---|---|---|---|")
+        for label in servers:
+            for clients in args.clients:
+                rates = [r["tok_s"] for lbl, r in rows if lbl == label and r["clients"] == clients]
+                print(f"| {label} | {clients} | {' / '.join(f'{x:.1f}' for x in rates)} | {statistics.median(rates):.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1))
 

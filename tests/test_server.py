@@ -4,6 +4,7 @@ import asyncio
 import json
 import threading
 import time
+from contextlib import aclosing
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +19,7 @@ from tiny_models import MASK_ID, free_port, load_tiny, make_tiny_target, wait_un
 from mlx_dflash import SamplingParams, create_random_draft, generate
 from mlx_dflash.batch import BatchDecoder
 from mlx_dflash.generate import TextStream
-from mlx_dflash.mlx_thread import MLXThread
+from mlx_dflash.mlx_thread import MLXThread, ModelLock
 from mlx_dflash.options import EngineOptions
 from mlx_dflash.policy import BlockPolicy
 from mlx_dflash.scheduler import BatchRequest, BatchWorker
@@ -74,6 +75,50 @@ def test_the_model_thread_runs_waited_and_awaited_calls_on_one_thread():
     thread.close()
     thread.close()
     assert thread.closed
+
+
+def test_a_pump_makes_items_back_to_back_on_the_thread_until_told_to_pause():
+    """``pump`` runs ahead of a slow caller (each item made as the one before is handed over),
+    pauses after the item where ``go_on`` turns false, goes on with the same iterator and ends
+    with None; a caller that leaves early stops it after the item in progress; an error is
+    raised to the caller."""
+    thread, made, threads = MLXThread(), [], set()
+
+    def items(n: int, fail_at: int = -1, seconds: float = 0.0):
+        for i in range(n):
+            time.sleep(seconds)
+            threads.add(threading.get_ident())
+            if i == fail_at:
+                raise ValueError("broken")
+            made.append(i)
+            yield i
+
+    async def main():
+        numbers, got = items(8), []
+        async with aclosing(thread.pump(numbers, lambda: len(made) < 4)) as pumped:
+            async for x in pumped:
+                if not got:
+                    await asyncio.sleep(0.3)  # (meanwhile the thread went on to the pause)
+                    ahead = len(made)
+                got.append(x)
+        rest = [x async for x in thread.pump(numbers, lambda: True)]
+        made.clear()
+        async with aclosing(thread.pump(items(100, seconds=0.01), lambda: True)) as pumped:
+            async for x in pumped:
+                break
+        await thread.run(lambda: None)  # (after the pump's last item)
+        left = len(made)
+        with pytest.raises(ValueError, match="broken"):
+            async for x in thread.pump(items(5, fail_at=2), lambda: True):
+                pass
+        return got, ahead, rest, left, await thread.run(threading.get_ident)
+
+    try:
+        got, ahead, rest, left, ident = asyncio.run(main())
+    finally:
+        thread.close()
+    assert (got, ahead, rest) == ([0, 1, 2, 3], 4, [4, 5, 6, 7, None])
+    assert left < 50 and threads == {ident} != {threading.get_ident()}
 
 
 def test_models_and_health(server):
@@ -184,7 +229,7 @@ def test_a_row_that_reaches_eos_leaves_the_batch_in_that_cycle(tiny_dir):
     solo = generate(model, tokenizer, prompt, draft, max_tokens=40).tokens
     end = next(k for k in range(3, len(solo)) if solo[k] not in solo[:k])  # (a token first made there)
     tokenizer.eos_token_ids = {solo[end]}
-    worker = BatchWorker(BatchDecoder(model, draft), asyncio.Lock(), MLXThread(), max_rows=4)
+    worker = BatchWorker(BatchDecoder(model, draft), ModelLock(), MLXThread(), max_rows=4)
 
     async def serve_one() -> tuple[TextStream, bool]:
         text = TextStream(tokenizer, mx.array(prompt), 40)
@@ -203,53 +248,63 @@ def test_a_row_that_reaches_eos_leaves_the_batch_in_that_cycle(tiny_dir):
     assert not busy
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_cycles_tokens_are_handed_over_after_the_next_cycle_starts_with_overlap_delivery(tiny_dir, overlap):
-    """Without ``overlap_delivery`` a request gets each cycle's tokens as that cycle ends; with
-    it, once the next cycle has been handed to the model thread (the last cycle's: once it ends).
-    The tokens are the solo run's either way."""
-    path = make_tiny_target(tiny_dir / "overlap-qwen3", "qwen3")
+def test_the_batch_runs_its_cycles_back_to_back_until_someone_waits_for_a_turn(tiny_dir):
+    """The batch's cycles run back to back on the model thread, each request's tokens handed over
+    as its cycle ends, until someone waits for the lock: then it gives a turn after the cycle in
+    progress, and goes on after it. Its tokens are the solo run's."""
+    path = make_tiny_target(tiny_dir / "turns-qwen3", "qwen3")
     model, tokenizer = load_tiny(path)
     tokenizer.eos_token_ids = set()
     config = json.loads((path / "config.json").read_text())
     draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
     prompt = tokenizer.encode("Hand them over")
-    solo = generate(model, tokenizer, prompt, draft, max_tokens=20).tokens
-    decoder = BatchDecoder(model, draft, options=EngineOptions(overlap_delivery=overlap))
-    worker = BatchWorker(decoder, asyncio.Lock(), MLXThread(), max_rows=4)
-    begun, run = [0], worker.thread.run  # (cycles handed to the model thread: the worker's only calls there)
+    solo = generate(model, tokenizer, prompt, draft, max_tokens=40).tokens
+    worker = BatchWorker(BatchDecoder(model, draft, 4), ModelLock(), MLXThread(), max_rows=4)
+    turns, run, step = [], worker.thread.run, worker.decoder.step  # (the worker's calls to the model thread: one a turn)
+    asked = threading.Event()  # (cycle 3 waits for it: the turn is asked for before then)
 
     async def counted(*args):
-        begun[0] += 1
+        turns.append(worker.cycles)
         return await run(*args)
-    worker.thread.run = counted
+
+    def gated():
+        if worker.cycles == 3:
+            asked.wait(30)
+        return step()
+    worker.thread.run, worker.decoder.step = counted, gated
 
     async def serve_one() -> tuple[TextStream, list[int]]:
-        text, seen = TextStream(tokenizer, mx.array(prompt), 20), []
+        text, responses, given = TextStream(tokenizer, mx.array(prompt), 40), 0, []
+
+        async def turn() -> None:
+            async with worker.lock.turn():
+                given.append(worker.cycles)
 
         async def connected() -> bool:
             return False
-        async for _ in worker.stream(BatchRequest(prompt, 20, text), connected):
-            seen.append(begun[0])
-        return text, seen
+        async for _ in worker.stream(BatchRequest(prompt, 40, text), connected):
+            responses += 1
+            if responses == 2:  # (cycle 1's tokens: now someone wants a turn)
+                waiter = asyncio.get_running_loop().create_task(turn())
+                await asyncio.sleep(0)
+                asked.set()
+        await waiter
+        return text, given
 
     try:
-        text, seen = asyncio.run(serve_one())
+        text, (given,) = asyncio.run(serve_one())
     finally:
         worker.thread.close()
-    assert text.tokens == solo and len(seen) >= 4
-    # (response 0: the prefill's token, given as the row joins in cycle 1; response j: cycle j's tokens)
-    assert seen[0] == 1 and seen[-1] == len(seen) - 1
-    assert seen[1:-1] == [j + 1 if overlap else j for j in range(1, len(seen) - 1)], seen
+    assert text.tokens == solo and worker.cycles > 6
+    assert 1 <= given <= 3 and turns == [0, given], (turns, given)  # (asked after cycle 1, granted by cycle 3)
 
 
-@pytest.mark.parametrize("behind, overlap", [(False, False), (True, False), (True, True)])
-def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_dir, behind, overlap):
+@pytest.mark.parametrize("behind", [False, True])
+def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_dir, behind):
     """Clients each send requests in turn to a batch that queues cycles ahead (as on GPUs) and
     chooses block sizes: many EOS ids make rows end often, several in one cycle and in cycles
     read early as others join (``behind``: joining rows prefilled behind the queued cycle, their
-    first tokens streamed from the next step; ``overlap``: each cycle's tokens handed over once
-    the next has begun). Every reply is the request's solo reply, and the worker stays whole."""
+    first tokens streamed from the next step). Every reply is the request's solo reply, and the worker stays whole."""
     path = make_tiny_target(tiny_dir / "eos-batch-llama", "llama")
     model, tokenizer = load_tiny(path)
     config = json.loads((path / "config.json").read_text())
@@ -260,9 +315,9 @@ def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_
     counts = Counter(t for run in runs for t in run[2:])
     tokenizer.eos_token_ids = {t for t, _ in counts.most_common(6)}  # (common: rows end often, many together)
     solo = [generate(model, tokenizer, p, draft, max_tokens=24).tokens for p in prompts]
-    options = EngineOptions(queue_ahead=True, compile_blocks=True, join_behind=behind, overlap_delivery=overlap)
+    options = EngineOptions(queue_ahead=True, compile_blocks=True, join_behind=behind)
     decoder = BatchDecoder(model, draft, 8, policy=BlockPolicy(8), options=options)
-    worker = BatchWorker(decoder, asyncio.Lock(), MLXThread(), max_rows=4)
+    worker = BatchWorker(decoder, ModelLock(), MLXThread(), max_rows=4)
     queued_at_join, add = [], decoder.add
     decoder.add = lambda *args, **kwargs: queued_at_join.append(decoder.queued is not None) or add(*args, **kwargs)
 

@@ -110,6 +110,21 @@ def test_serve_benchmark(pair, tmp_path):
     assert all(row.endswith("(100%) |") for row in rows)
 
 
+def test_serve_benchmark_takes_turns_over_rounds(pair):
+    """``--rounds 2 --servers ...``: the chosen servers started twice, taking turns, with a
+    median per server and client count."""
+    model, draft = pair
+    out = run_tool("serve.py", "--model", model, "--draft", draft, "--clients", "1", "--requests", "1",
+                   "--max-tokens", "4", "--port", str(free_port()), "--servers", "batched", "one-at-a-time",
+                   "--rounds", "2", folder=BENCHMARKS)
+    rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| mlx")]
+    assert rows == ["| mlx-dflash, batched", "| mlx-dflash, one at a time"] * 2 + [
+        "| mlx-dflash, batched", "| mlx-dflash, one at a time"]
+    medians = [line.split(" | ") for line in out.splitlines() if line.startswith("| mlx") and " / " in line
+               and line.count("|") == 5]
+    assert [len(m[2].split(" / ")) for m in medians] == [2, 2]
+
+
 def test_batch_costs(pair):
     model, draft = pair
     out = run_tool("batch_costs.py", "--model", model, "--draft", draft, "--rows", "1", "2", "--max-tokens", "6",

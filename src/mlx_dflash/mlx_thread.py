@@ -1,4 +1,4 @@
-"""The one thread a server runs its model work on.
+"""The one thread a server runs its model work on, and the lock that gives out turns on it.
 
 MLX gives every thread that uses it a default stream of its own, served by a thread of MLX's.
 Model calls made from a pool of worker threads left one such stream per pool thread, and the
@@ -6,17 +6,48 @@ process aborted at exit ("terminate called without an active exception") while M
 them. The server makes every model call on one thread instead, which frees its streams
 (``mx.clear_streams``) when the server shuts down. Its batch decoder is built and warmed up there
 too: built and warmed on the main thread, it slowed the generations run on this one (GPUs).
+
+A generation runs its cycles back to back there (``pump``) while nobody waits for a turn: a
+cycle's host work starts as soon as the one before is read, not after a round trip through the
+event loop, which hands the tokens over meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
 
 import mlx.core as mx
 
 T = TypeVar("T")
+
+
+class ModelLock:
+    """An asyncio lock (waiters served in arrival order) that counts its waiters, so work
+    running on the model thread can tell that someone wants a turn."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+        self.waiting = 0  # (read from the model thread: an int, read whole)
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        self.waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+
+class _Paused:
+    """The end of one ``pump``: ``go_on`` said stop (or the caller left)."""
 
 
 class MLXThread:
@@ -31,6 +62,36 @@ class MLXThread:
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the thread, waited for (before an event loop runs)."""
         return self._executor.submit(fn, *args, **kwargs).result()
+
+    async def pump(self, items: Iterator[T], go_on: Callable[[], bool]) -> AsyncIterator[Optional[T]]:
+        """``items``' next items, made one after another on the thread and each handed over as
+        it is made, until ``go_on()`` (asked on the thread after each item) is false; then None
+        if ``items`` ran out. An error of ``items`` is raised here. Leaving early (``aclose``)
+        stops the thread after the item in progress; that item is lost."""
+        loop, handed = asyncio.get_running_loop(), asyncio.Queue()
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                while True:
+                    item = next(items, None)
+                    loop.call_soon_threadsafe(handed.put_nowait, item)
+                    if item is None or stop.is_set() or not go_on():
+                        break
+            except Exception as exc:  # (handed over, raised by the caller)
+                loop.call_soon_threadsafe(handed.put_nowait, exc)
+            loop.call_soon_threadsafe(handed.put_nowait, _Paused)
+
+        self._executor.submit(produce)
+        try:
+            while (item := await handed.get()) is not _Paused:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item is None:
+                    return
+        finally:
+            stop.set()
 
     def close(self) -> None:
         """Free the thread's MLX streams and end it (calls already queued finish first); again: nothing."""

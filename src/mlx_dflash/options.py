@@ -42,9 +42,6 @@ class EngineOptions:
     join_behind: a row that joins a batch while a cycle is queued is prefilled behind it, nothing
         read as it joins; the next step reads its first token and it merges into the cycle after
         (GPUs; off: the queued cycle is read first, then the row prefilled and merged).
-    overlap_delivery: the server's batch hands a cycle's tokens to its clients once the next
-        cycle has started, so the server's own work overlaps it (``scheduler.py``; a leaving row
-        then goes a cycle later; not yet measured faster).
     """
 
     queue_ahead: Optional[bool] = None
@@ -58,7 +55,6 @@ class EngineOptions:
     device_trees: Optional[bool] = None
     pad_rows: Optional[bool] = None
     join_behind: Optional[bool] = None
-    overlap_delivery: bool = False
 
     def resolved(self) -> "EngineOptions":
         """These options with every ``None`` decided for the backend MLX runs on now

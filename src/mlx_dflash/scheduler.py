@@ -3,13 +3,11 @@
 Requests wait in ``pending``; before each cycle the worker merges them into the batch (each
 prompt prefilled alone) and drops the rows whose client went away or whose text ended at a stop
 string, then runs one cycle for all rows and hands each request its committed tokens; a row
-that reached an EOS or its ``max_tokens`` in that cycle leaves at once. Every model call runs
-under the server's lock, one cycle at a time, so a generation outside the batch (a seeded
-request, or one that came alone) runs its cycles between the batch's. With
-``EngineOptions.overlap_delivery`` a cycle's tokens are handed over once the next cycle has
-started on the model thread, so the handlers' work overlaps it (MLX lets other threads run while
-it waits for the device); a row whose client left or whose text ended is then dropped a cycle
-later.
+that reached an EOS or its ``max_tokens`` in that cycle leaves at once. The cycles run back to
+back on the server's model thread while it holds the server's lock, and the handlers take their
+tokens meanwhile on the event loop; when someone else waits for the lock (a generation outside
+the batch: a seeded request, or one that came alone) the batch gives it a turn after the cycle
+in progress, so that generation's cycles run between the batch's.
 """
 
 from __future__ import annotations
@@ -17,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 import mlx.core as mx
 
 from .batch import BatchDecoder
 from .generate import StreamResponse, TextStream
-from .mlx_thread import MLXThread
+from .mlx_thread import MLXThread, ModelLock
 from .sampling import SamplingParams
 
 
@@ -42,7 +40,7 @@ class BatchRequest:
 class BatchWorker:
     """Runs the batch's cycles while it has rows or requests waiting (at most ``max_rows`` rows)."""
 
-    def __init__(self, decoder: BatchDecoder, lock: asyncio.Lock, thread: MLXThread, max_rows: int):
+    def __init__(self, decoder: BatchDecoder, lock: ModelLock, thread: MLXThread, max_rows: int):
         self.decoder, self.lock, self.thread, self.max_rows = decoder, lock, thread, max_rows
         self.pending: list[BatchRequest] = []
         self.active: dict[int, BatchRequest] = {}
@@ -86,35 +84,36 @@ class BatchWorker:
             request.leaving = True
 
     async def _run(self) -> None:
-        loop, overlap = asyncio.get_running_loop(), self.decoder.target.options.overlap_delivery
-        sends: list[tuple[BatchRequest, Any]] = []  # a cycle's tokens not handed over yet (``overlap``)
-        while self.pending or self.active or sends:
+        loop = asyncio.get_running_loop()
+        while self.pending or self.active:
             try:
-                async with self.lock:
-                    # (``overlap``: the handlers fed here run only once the await below has handed
-                    # the next cycle to the model thread)
-                    for request, item in sends:
-                        request.tokens.put_nowait(item)
-                    sends = await self.thread.run(self._cycle, loop, overlap) if self.busy else []
+                async with self.lock.turn():
+                    await self.thread.run(self._cycles, loop)
             except Exception as exc:  # the requests in the batch get the error; the batch starts afresh
                 for request in [*self.active.values(), *self.pending]:
                     request.tokens.put_nowait(exc)
                 self.decoder.clear()
-                self.active, self.pending, sends = {}, [], []
+                self.active, self.pending = {}, []
             await asyncio.sleep(0)  # (let handlers read their tokens and new requests arrive)
+
+    def _cycles(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Cycles back to back (on the model thread) while the batch has work and nobody waits
+        for the lock."""
+        while self.busy:
+            self._cycle(loop)
+            if self.lock.waiting:
+                return
 
     def stats(self) -> dict:
         return {"rows": len(self.active), "waiting": len(self.pending), "cycles": self.cycles,
                 "peak_rows": self.peak_rows, "moved_in": self.moved_in,
                 "block_sizes": dict(sorted(self.decoder.block_sizes.items()))}
 
-    def _cycle(self, loop: asyncio.AbstractEventLoop, defer: bool) -> list[tuple[BatchRequest, Any]]:
+    def _cycle(self, loop: asyncio.AbstractEventLoop) -> None:
         """Join waiting requests, drop leaving rows, run one cycle (on the server's model thread).
-        Requests get their tokens (None: their end) or their error at once, or with ``defer`` the
-        cycle's tokens are returned instead, for the worker to hand over."""
-        sends: list[tuple[BatchRequest, Any]] = []
+        Requests get their tokens (None: their end) or their error at once."""
 
-        def send(request: BatchRequest, tokens: Any) -> None:
+        def send(request: BatchRequest, tokens) -> None:
             loop.call_soon_threadsafe(request.tokens.put_nowait, tokens)
 
         while self.pending and len(self.active) < self.max_rows:
@@ -139,7 +138,7 @@ class BatchWorker:
                 self.decoder.remove(row)
                 del self.active[row]
         if not self.active:
-            return sends
+            return
         self.cycles, self.peak_rows = self.cycles + 1, max(self.peak_rows, len(self.active))
         for row, committed in self.decoder.step().items():
             # A row that reached its max_tokens or an EOS left in this cycle, and leaves the worker
@@ -147,8 +146,4 @@ class BatchWorker:
             left = row not in self.decoder.rows
             request = self.active.pop(row) if left else self.active[row]
             for item in [committed, None] if left else [committed]:
-                if defer:
-                    sends.append((request, item))
-                else:
-                    send(request, item)
-        return sends
+                send(request, item)

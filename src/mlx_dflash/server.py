@@ -5,9 +5,11 @@ batch between its cycles, and each cycle verifies every row in one target forwar
 that arrives alone runs on the single-sequence engine (faster for one sequence) until others
 come, then moves into the batch; requests the batch cannot take (a seed, logits processors;
 targets and drafts ``batch.py`` does not batch) run there to their end, one at a time beside
-the batch. Every model call holds an asyncio lock (FIFO), a cycle at a time,
-and runs on the server's one model thread (``mlx_thread.py``), so the event loop stays free to
-notice a client that disconnects mid-stream; its row or generation stops at the next cycle.
+the batch. Every model call runs on the server's one model thread (``mlx_thread.py``) holding
+a lock (FIFO): a generation runs its cycles back to back there until someone else waits for a
+turn, then gives it one after the cycle in progress. The event loop stays free meanwhile to
+stream tokens and to notice a client that disconnects; its row or generation stops at the next
+cycle.
 Bad requests get a 4xx with an OpenAI-style error body and the server keeps serving. With a
 target sharded over processes (``mlx.launch``), process 0 serves and sends each job to the
 others, which generate it alongside (``follow``); a generation then always runs to its end.
@@ -21,7 +23,7 @@ import functools
 import json
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 
@@ -36,7 +38,7 @@ from .batch import BatchDecoder, batches
 from .distributed import receive_job, send_job, sharding_group
 from .generate import StreamResponse, TextStream, encode_prompt, stream_generate
 from .errors import DFlashError
-from .mlx_thread import MLXThread
+from .mlx_thread import MLXThread, ModelLock
 from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
 from .prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
 from .scheduler import BatchRequest, BatchWorker
@@ -402,7 +404,7 @@ def create_app(served: Served, thread: Optional[MLXThread] = None) -> FastAPI:
         thread.close()
 
     app = FastAPI(title="mlx-dflash", lifespan=lifespan)
-    lock = asyncio.Lock()  # one generation at a time; waiters are served in arrival order
+    lock = ModelLock()  # a turn on the model thread; waiters are served in arrival order
     counts = {"completed": 0, "cancelled": 0}  # generations, reported by /health
     generate_job = generations(served)
 
@@ -446,29 +448,34 @@ def create_app(served: Served, thread: Optional[MLXThread] = None) -> FastAPI:
             async for response in in_batch(job, request, []):
                 yield response
             return
-        # The lock per cycle: the batch's cycles run between this one's (and count in the cycle
-        # times its policy sees, each capped at 1.5x a size's cost: ``policy.SPIKE_CAP``).
-        sent, reused, moving = [], 0, False
+        # Cycles back to back on the model thread until someone waits for the lock: then the
+        # batch's cycles run between this one's (and count in the cycle times its policy sees,
+        # each capped at 1.5x a size's cost: ``policy.SPIKE_CAP``).
+        sent, reused, finished, gone, moving = [], 0, False, False, False
+
+        def go_on() -> bool:  # (asked on the model thread after each cycle)
+            return not (gone or lock.waiting or (batchable and worker.busy))
+
         async with solo:
-            responses, finished = stream(job), False
+            responses = stream(job)
             try:
-                while not await request.is_disconnected():
-                    async with lock:
-                        response = await thread.run(next, responses, None)
-                    if response is None:
-                        finished = True
-                        return
-                    yield response
-                    sent += response.tokens
-                    reused = response.reused_prompt_tokens
-                    # Others came: go on in the batch, one cycle for all (here, every batch cycle
-                    # would wait for one of this generation's).
-                    if batchable and worker.busy and not response.finish_reason:
-                        moving = True
-                        break
+                while not (finished or gone or (batchable and worker.busy)):
+                    async with lock.turn(), aclosing(thread.pump(responses, go_on)) as cycles:
+                        async for response in cycles:
+                            if response is None:
+                                finished = True
+                            elif not gone:
+                                yield response
+                                sent += response.tokens
+                                reused = response.reused_prompt_tokens
+                                finished = response.finish_reason is not None
+                                gone = await request.is_disconnected()
+                # Others came: it goes on in the batch, one cycle for all (here, every batch cycle
+                # would wait for one of this generation's).
+                moving = not (finished or gone)
             finally:  # (shielded: a client gone cancels this task, and it must still clean up)
                 with anyio.CancelScope(shield=True):
-                    async with lock:
+                    async with lock.turn():
                         if served.group is not None and not finished:  # the others run it to its end: so must we
                             await thread.run(lambda: all(True for _ in responses))
                         await thread.run(responses.close)  # (its end stores the reply in the prefix cache)
