@@ -113,7 +113,7 @@ class BatchWorker:
         """Join waiting requests, drop leaving rows, run one cycle (on the server's model thread).
         Requests get their tokens (None: their end) or their error at once."""
 
-        def send(request: BatchRequest, tokens) -> None:
+        def send(request: BatchRequest, tokens: object) -> None:
             loop.call_soon_threadsafe(request.tokens.put_nowait, tokens)
 
         while self.pending and len(self.active) < self.max_rows:
