@@ -9,7 +9,8 @@ each client count and one lone request of the full length, timed, stopped, one a
 other). At each client count C, C threads each send ``--requests`` streamed greedy chat
 requests (HumanEval prompts, one after the other) through the official ``openai`` client.
 Reported per server and C: completion tokens per second over the wall time of all C clients, and the median and 95th percentile of the time to first token and of the time
-per output token after it, and how many replies ran to ``--max-tokens`` (often loops, easy to draft:
+per output token after it, our servers' model thread's busy share over the run (the rest it
+waited for work: for the event loop), and how many replies ran to ``--max-tokens`` (often loops, easy to draft:
 they flatter a speculative server's aggregate) with their share of the tokens. Markdown on stdout;
 ``--json FILE`` keeps every request's figures. ``--also-fixed``: our two servers also with fixed
 full blocks (``serve --no-adaptive``), to tell the adaptive policy's part. ``--rounds N`` starts
@@ -25,6 +26,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import httpx
 from openai import OpenAI
@@ -110,6 +112,14 @@ def run_clients(port: int, name: str, clients: int, requests: int, prompts: list
             "requests": results}
 
 
+def model_thread(port: int) -> Optional[dict]:
+    """Our server's model thread figures (``/health``): seconds up and busy; None for mlx-lm's."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json().get("model_thread")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def main() -> None:
     args = parse_args()
     use_fast_blas()  # (the servers inherit it: mlx-lm's on the same BLAS as ours)
@@ -144,19 +154,25 @@ def main() -> None:
                 # meet the longer caches' shapes (new traces) in the timed runs
                 run_clients(args.port, served, 1, 1, prompts[-1:], args.max_tokens)
                 for clients in args.clients:
+                    before = model_thread(args.port)
                     result = run_clients(args.port, served, clients, args.requests, prompts, args.max_tokens)
+                    after = model_thread(args.port)
+                    result["model_busy_share"] = ((after["busy_s"] - before["busy_s"]) / (after["up_s"] - before["up_s"])
+                                                  if before and after else None)
                     everything.setdefault(label, []).append(result)
                     rows.append((label, result))
                     print(f"{label}: {clients} clients: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
             finally:
                 process.terminate()
                 process.wait(timeout=60)
-    print("| server | clients | aggregate tok/s | TTFT p50 / p95 s | per token p50 / p95 ms | at the cap (token share) |")
-    print("|---|---|---|---|---|---|")
+    print("| server | clients | aggregate tok/s | TTFT p50 / p95 s | per token p50 / p95 ms | at the cap (token share) "
+          "| model thread busy |")
+    print("|---|---|---|---|---|---|---|")
     for label, r in rows:
+        busy = "-" if r["model_busy_share"] is None else f"{r['model_busy_share']:.0%}"
         print(f"| {label} | {r['clients']} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / {r['ttft_p95']:.2f} | "
               f"{r['per_token_p50_ms']:.1f} / {r['per_token_p95_ms']:.1f} | "
-              f"{r['at_cap']}/{len(r['requests'])} ({r['at_cap_token_share']:.0%}) |")
+              f"{r['at_cap']}/{len(r['requests'])} ({r['at_cap_token_share']:.0%}) | {busy} |")
     if args.rounds > 1:
         print("\n| server | clients | aggregate tok/s, round by round | median |")
         print("|---|---|---|---|")

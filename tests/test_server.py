@@ -111,6 +111,10 @@ def test_a_pump_makes_items_back_to_back_on_the_thread_until_told_to_pause():
         with pytest.raises(ValueError, match="broken"):
             async for x in thread.pump(items(5, fail_at=2), lambda: True):
                 pass
+        busy = thread.stats()["busy_s"]
+        assert [x async for x in thread.pump(items(3, seconds=0.05), lambda: True)] == [0, 1, 2, None]
+        await thread.run(lambda: None)  # (the pump's call has ended and been counted)
+        assert thread.stats()["busy_s"] - busy >= 0.15  # (its time counts as the thread's busy time)
         return got, ahead, rest, left, await thread.run(threading.get_ident)
 
     try:
@@ -125,6 +129,10 @@ def test_models_and_health(server):
     base = server[0]
     assert httpx.get(base + "/health").json()["status"] == "ok"
     assert [m.id for m in client(base).models.list().data] == [NAME]
+    before = httpx.get(base + "/health").json()["model_thread"]
+    client(base).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=4)
+    after = httpx.get(base + "/health").json()["model_thread"]
+    assert 0 < after["busy_s"] - before["busy_s"] <= after["up_s"] - before["up_s"]  # (the reply's cycles)
 
 
 def test_chat_multi_turn_equals_generate(server):

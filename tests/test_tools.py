@@ -107,7 +107,11 @@ def test_serve_benchmark(pair, tmp_path):
     assert all(r["tokens"] >= 1 for runs in figures.values() for run in runs for r in run["requests"])
     # (4 tokens: the tiny models' replies all run to the cap, and are counted there)
     assert all(run["at_cap"] == len(run["requests"]) for runs in figures.values() for run in runs)
-    assert all(row.endswith("(100%) |") for row in rows)
+    cells = [row.strip("| ").split(" | ") for row in rows]
+    assert all(c[5].endswith("(100%)") for c in cells)
+    # (the model thread's busy share: our servers report it in /health, mlx-lm's does not)
+    assert all(c[6].endswith("%") and 0 < float(c[6][:-1]) <= 100 for c in cells if c[0].startswith("mlx-dflash"))
+    assert all(c[6] == "-" for c in cells if c[0].startswith("mlx_lm"))
 
 
 def test_serve_benchmark_takes_turns_over_rounds(pair):

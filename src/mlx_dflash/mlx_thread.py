@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, TypeVar
@@ -54,14 +55,28 @@ class MLXThread:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self.closed = False
+        self.started = time.perf_counter()
+        self.busy_seconds = 0.0  # spent running calls (waits for the device included): the rest it sat idle
+
+    def _timed(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        tic = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.busy_seconds += time.perf_counter() - tic
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the thread, awaited without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` on the thread, waited for (before an event loop runs)."""
-        return self._executor.submit(fn, *args, **kwargs).result()
+        return self._executor.submit(self._timed, fn, *args, **kwargs).result()
+
+    def stats(self) -> dict:
+        """Seconds since the thread started, and of them spent running calls (``/health``: over a
+        stretch of streaming, a busy share well under 1 means the model waited for the event loop)."""
+        return {"up_s": round(time.perf_counter() - self.started, 4), "busy_s": round(self.busy_seconds, 4)}
 
     async def pump(self, items: Iterator[T], go_on: Callable[[], bool]) -> AsyncIterator[Optional[T]]:
         """``items``' next items, made one after another on the thread and each handed over as
@@ -82,7 +97,7 @@ class MLXThread:
                 loop.call_soon_threadsafe(handed.put_nowait, exc)
             loop.call_soon_threadsafe(handed.put_nowait, _Paused)
 
-        self._executor.submit(produce)
+        self._executor.submit(self._timed, produce)
         try:
             while (item := await handed.get()) is not _Paused:
                 if isinstance(item, Exception):

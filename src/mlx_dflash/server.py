@@ -488,7 +488,8 @@ def create_app(served: Served, thread: Optional[MLXThread] = None) -> FastAPI:
     @app.get("/health")
     async def health():
         batch = worker.stats() if worker is not None else None
-        return {"status": "ok", **counts, "prefix_cache": served.prefix_cache.stats(), "batch": batch}
+        return {"status": "ok", **counts, "prefix_cache": served.prefix_cache.stats(), "batch": batch,
+                "model_thread": thread.stats()}
 
     @app.get("/v1/models")
     async def models():
