@@ -340,6 +340,32 @@ def test_block_projections_equal_the_models_own(tiny_dir, family, bits, rowwise)
     assert mx.array_equal(model(block), expected).item() and mx.array_equal(model(step), reference(step)).item()
 
 
+def test_block_projections_of_one_model_share_its_packed_layers(tiny_dir):
+    """A second set of block projections (another row-by-row choice: a batch's beside one
+    sequence's) reuses the layers the first packed, the members' weights left as they are (packing
+    again would keep a second copy); both give the model's own outputs."""
+    from mlx_dflash.projections import block_projections
+
+    path = make_tiny_target(tiny_dir / "packed-shared", "qwen3")
+    model, _ = load_tiny(path)
+    reference, _ = load_tiny(path)
+    packed: dict = {}
+    one = block_projections(model, rowwise=True, packed=packed)
+    q_proj = model.layers[0].self_attn.q_proj
+    weight, layers = q_proj.weight, dict(packed)
+    other = block_projections(model, rowwise=False, packed=packed)
+    assert q_proj.weight is weight and packed == layers and len(packed) == 2 * len(model.layers)
+    assert {id(s[3].group.packed) for s in one.swaps if hasattr(s[3], "group")} == {
+        id(s[3].group.packed) for s in other.swaps if hasattr(s[3], "group")}
+    block = mx.array([[(7 * i) % 250 for i in range(21)]])
+    expected = reference(block)
+    for projections in (one, other):
+        with projections.installed():
+            gap = mx.abs(model(block) - expected).max().item() / mx.abs(expected).max().item()
+        assert gap <= 1e-5, gap
+    assert block_projections(model, rowwise=False).swaps and q_proj.weight is not weight  # (unshared: packed again)
+
+
 def test_row_by_row_by_default_only_on_gpus_and_for_small_models(tiny_dir, monkeypatch):
     """Row by row, a block reads each weight once per row: by default only a GPU runs it, and only
     for a model of at most ROWWISE_MAX_BYTES of plain weights (a larger verify would turn

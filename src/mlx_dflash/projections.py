@@ -122,9 +122,11 @@ def _packable(linears: list[nn.Module]) -> bool:
 class BlockProjections:
     """One model instance's projections as a compiled block computes them: the packable groups
     packed once; ``installed()`` puts the packed (and row-by-row) projections in place for the
-    duration of a trace."""
+    duration of a trace. ``packed``: the model's packed layers by (parent module, group), shared
+    with its other ``BlockProjections`` (packing again would keep a second copy of the weights)."""
 
-    def __init__(self, model: nn.Module, pack: bool, rowwise: bool):
+    def __init__(self, model: nn.Module, pack: bool, rowwise: bool, packed: Optional[dict] = None):
+        self.packed = {} if packed is None else packed
         self.swaps: list[Swap] = []
         self.embeddings: list[nn.Embedding] = []  # tied heads: ``as_linear`` row by row
         grouped = set()
@@ -142,21 +144,28 @@ class BlockProjections:
                 self.embeddings.append(module)
 
     def _pack(self, parent: nn.Module, names: tuple[str, ...], linears: list[nn.Module], rowwise: bool) -> None:
-        packed = copy.copy(linears[0])
-        for key in WEIGHTS:
-            if key in linears[0]:
-                packed[key] = mx.concatenate([x[key] for x in linears], axis=0)
-        mx.eval(packed.parameters())
-        group = _PackedGroup(packed, rowwise)
+        key = (id(parent), names)
+        if key not in self.packed:
+            packed = copy.copy(linears[0])
+            for name in WEIGHTS:
+                if name in linears[0]:
+                    packed[name] = mx.concatenate([x[name] for x in linears], axis=0)
+            mx.eval(packed.parameters())
+            start = 0
+            for linear in linears:
+                end = start + linear.weight.shape[0]
+                for name in WEIGHTS:
+                    if name in linear:
+                        linear[name] = packed[name][start:end]  # a view: the memory is the packed layer's
+                start = end
+            mx.eval([linear.parameters() for linear in linears])  # (one group at a time: little extra memory)
+            self.packed[key] = packed
+        group = _PackedGroup(self.packed[key], rowwise)
         start = 0
         for name, linear in zip(names, linears):
             end = start + linear.weight.shape[0]
-            for key in WEIGHTS:
-                if key in linear:
-                    linear[key] = packed[key][start:end]  # a view: the memory is the packed layer's
             self.swaps.append((parent, name, linear, PackedProjection(group, start, end)))
             start = end
-        mx.eval([linear.parameters() for linear in linears])  # (one group at a time: little extra memory)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -179,9 +188,11 @@ def plain_weight_bytes(model: nn.Module) -> int:
     return sum(m.weight.nbytes for m in model.modules() if type(m) in (nn.Linear, nn.Embedding))
 
 
-def block_projections(model: nn.Module, pack: bool = True, rowwise: Optional[bool] = None) -> BlockProjections:
-    """``model``'s projections for compiled blocks: ``pack``ed, and ``rowwise`` (None: on GPUs,
-    for models of up to ROWWISE_MAX_BYTES); the model computes as before until ``installed()``."""
+def block_projections(model: nn.Module, pack: bool = True, rowwise: Optional[bool] = None,
+                      packed: Optional[dict] = None) -> BlockProjections:
+    """``model``'s projections for compiled blocks: ``pack``ed (reusing ``packed``, its layers
+    packed before), and ``rowwise`` (None: on GPUs, for models of up to ROWWISE_MAX_BYTES); the
+    model computes as before until ``installed()``."""
     if rowwise is None:
         rowwise = on_gpu() and plain_weight_bytes(model) <= ROWWISE_MAX_BYTES
-    return BlockProjections(model, pack=pack, rowwise=rowwise)
+    return BlockProjections(model, pack=pack, rowwise=rowwise, packed=packed)

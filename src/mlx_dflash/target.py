@@ -56,6 +56,7 @@ class _Recorder:
         self.active = False
         self.outputs: dict[int, mx.array] = {}
         self.block_forwards: dict[tuple, Callable] = {}
+        self.packed_layers: dict = {}  # the model's packed projections, shared by its block forwards
         self.traces = 0  # times a compiled block forward was traced (once per new shape: costly on GPUs)
 
 
@@ -292,7 +293,7 @@ class Target:
         rowwise = self.options.rowwise_products if tokens.shape[0] == 1 else False
         key = (self.options.pack_projections, rowwise, tree is not None)
         if key not in self.recorder.block_forwards:
-            projections = block_projections(self.model, *key[:2])  # (packed, row by row: projections.py)
+            projections = block_projections(self.model, *key[:2], packed=self.recorder.packed_layers)  # (projections.py)
 
             def forward(tokens: mx.array, offset: mx.array, depths: mx.array, ancestors: mx.array, *arrays: mx.array):
                 self.recorder.traces += 1  # (the body runs only while mx.compile traces it)
