@@ -53,7 +53,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS),
                         help="which servers to run (default: all three)")
     parser.add_argument("--rounds", type=int, default=1, help="start every server this many times, taking turns")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.clients) < 1:
+        parser.error("--rounds, --requests, --max-tokens and --clients must be at least 1")
+    return args
 
 
 def start(command: list[str], port: int) -> subprocess.Popen:
