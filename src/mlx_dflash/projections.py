@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 from functools import partial
+from itertools import accumulate
 from typing import Iterator, Optional
 
 import mlx.core as mx
@@ -144,6 +145,8 @@ class BlockProjections:
                 self.embeddings.append(module)
 
     def _pack(self, parent: nn.Module, names: tuple[str, ...], linears: list[nn.Module], rowwise: bool) -> None:
+        ends = list(accumulate(linear.weight.shape[0] for linear in linears))
+        bounds = list(zip([0, *ends[:-1]], ends))  # each member's rows of the packed layer
         key = (id(parent), names)
         if key not in self.packed:
             packed = copy.copy(linears[0])
@@ -151,21 +154,15 @@ class BlockProjections:
                 if name in linears[0]:
                     packed[name] = mx.concatenate([x[name] for x in linears], axis=0)
             mx.eval(packed.parameters())
-            start = 0
-            for linear in linears:
-                end = start + linear.weight.shape[0]
+            for linear, (start, end) in zip(linears, bounds):
                 for name in WEIGHTS:
                     if name in linear:
                         linear[name] = packed[name][start:end]  # a view: the memory is the packed layer's
-                start = end
             mx.eval([linear.parameters() for linear in linears])  # (one group at a time: little extra memory)
             self.packed[key] = packed
         group = _PackedGroup(self.packed[key], rowwise)
-        start = 0
-        for name, linear in zip(names, linears):
-            end = start + linear.weight.shape[0]
+        for name, linear, (start, end) in zip(names, linears, bounds):
             self.swaps.append((parent, name, linear, PackedProjection(group, start, end)))
-            start = end
 
     @contextmanager
     def installed(self) -> Iterator[None]:
