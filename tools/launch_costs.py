@@ -7,7 +7,9 @@ For each piece (mlx-lm's plain step; the tapped target's plain step and 16-token
 engine's cache, its count on the device as in queued cycles, the verify eager and compiled
 (``EngineOptions.compile_blocks``; packed and row-by-row projections there unless ``--pack off`` or
 ``--rowwise off``); the draft's context update and pass, eager and compiled
-(``EngineOptions.compile_draft``)), times building the graph, ``mx.async_eval`` with the device idle (the host
+(``EngineOptions.compile_draft``); a tree of ``--tree-budget`` nodes built on the device from the
+compiled draft's logits, and its compiled verify with the walk, the path's move and the roll back
+(``tree.device_tree``, ``EngineOptions.device_trees``)), times building the graph, ``mx.async_eval`` with the device idle (the host
 launching kernels) and the wait that follows (device work not hidden by the launch), median of
 ``--iters``; and counts the graph's primitives by kind (``mx.export_to_dot``; views such as
 transposes and broadcasts launch nothing). Where launches dominate, a cycle costs what its
@@ -35,6 +37,7 @@ from mlx_dflash.proposer import DFlashProposer
 from mlx_dflash.sampling import matching_prefix
 from mlx_dflash.scale import random_draft, random_target
 from mlx_dflash.target import Target, float_dtype, load_target
+from mlx_dflash.tree import device_tree
 
 VIEWS = {"Broadcast", "Transpose", "ExpandDims", "Squeeze", "Slice", "Flatten", "Unflatten", "AsStrided"}
 
@@ -44,6 +47,7 @@ parser.add_argument("--draft", default=None)
 parser.add_argument("--shape", default=None, help="a random target of this shape (scale.py) and a random draft")
 parser.add_argument("--context", type=int, default=300)
 parser.add_argument("--iters", type=int, default=30)
+parser.add_argument("--tree-budget", type=int, default=64, help="the device-built tree's nodes (0: no tree pieces)")
 parser.add_argument("--pack", choices=["on", "off"], default="on",
                     help="packed projections in the compiled verify (projections.py)")
 parser.add_argument("--rowwise", choices=["on", "off", "auto"], default="auto",
@@ -129,6 +133,30 @@ def draft_pass_compiled():
     return draft_pass(compiled_proposer)
 
 
+def tree_build():
+    logits, columns = compiled_proposer.candidate_logits(block[:1], 15)
+    tree = device_tree(block[:1], logits, args.tree_budget, columns)
+    return [tree.tokens, tree.depths, tree.ancestors, tree.parents]
+
+
+TREE = None
+if args.tree_budget:
+    tree_logits, tree_columns = compiled_proposer.candidate_logits(block[:1], 15)
+    TREE = device_tree(block[:1], tree_logits, args.tree_budget, tree_columns)
+
+
+def tree_verify():
+    logits, feats = compiled_target.verify_device_tree(TREE, cache)
+    choices = mx.argmax(logits[0], axis=-1)
+    order, accepted = TREE.walk(choices)
+    tokens, feats = choices[order], feats[:, order]
+    compiled_target.move_path(cache, order, 16)
+    # a device count: all the tree's nodes, the context as before
+    compiled_target.rollback(cache, TREE.size - accepted[0] + accepted[0])
+    compiled_target.settle(cache, args.context)
+    return [tokens, accepted, feats]
+
+
 def op_counts(outputs) -> Counter:
     with tempfile.TemporaryDirectory() as tmp:
         dot = Path(tmp) / "graph.dot"
@@ -175,3 +203,7 @@ for name, piece in [("mlx-lm step", mlx_lm_step), ("target step", target_step), 
                     ("verify compiled", target_verify_compiled), ("draft context", draft_context),
                     ("draft pass", draft_pass), ("draft compiled", draft_pass_compiled)]:
     measure(name, piece)
+if TREE is not None:
+    mx.eval(TREE.tokens, TREE.depths, TREE.ancestors, TREE.parents)
+    measure(f"tree{args.tree_budget} build", tree_build)
+    measure(f"tree{args.tree_budget} verify", tree_verify)
