@@ -19,6 +19,8 @@
 #                 (rows padded to a power of two and not)
 #   serve-rounds  our batching and one-at-a-time servers at 1 and 8 clients x 8 requests (bfloat16 and float32),
 #                 ROUNDS (3) rounds taking turns, with medians: a lone client in each, and the batch's lead
+#   stream-interval  our batching server at 8 and 16 clients x 4 requests (bfloat16), --stream-interval 0 against
+#                 0.05, alternating, ROUNDS (3) times each
 #   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows prefilled behind the queued
 #                 cycle (EngineOptions.join_behind, the GPU default) against rows joining after it is read,
 #                 alternating, three times each (the batch only: its one-at-a-time runs are in the serve part)
@@ -94,6 +96,14 @@ for part in "${PARTS[@]}"; do
         python3 benchmarks/serve.py --model "$model" --clients 1 8 --requests 8 --max-tokens 256 \
           --servers batched one-at-a-time --rounds ${ROUNDS:-3} | tee "$RESULTS/serve-rounds-$dtype.md"
       done ;;
+    stream-interval)
+      model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
+      for run in $(seq ${ROUNDS:-3}); do
+        for interval in 0 0.05; do
+          python3 benchmarks/serve.py --model "$model" --clients 8 16 --requests 4 --max-tokens 256 --servers batched \
+            --stream-interval $interval | tee "$RESULTS/stream-interval-$interval-$run.md"
+        done
+      done ;;
     joins)
       model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
       for run in 1 2 3; do
@@ -102,6 +112,6 @@ for part in "${PARTS[@]}"; do
             --join-behind $way | tee "$RESULTS/joins-$way-$run.txt"
         done
       done ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, joins)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, serve-rounds, stream-interval, joins)" >&2; exit 2 ;;
   esac
 done

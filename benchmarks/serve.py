@@ -2,7 +2,7 @@
 server one request at a time, and mlx-lm's batched server (no draft), side by side on one machine.
 
     python benchmarks/serve.py [--model M] [--draft D] [--clients 1 4 8 16] [--requests 2] [--max-tokens 128]
-        [--also-fixed] [--servers batched one-at-a-time mlx-lm] [--rounds N]
+        [--also-fixed] [--servers batched one-at-a-time mlx-lm] [--rounds N] [--stream-interval S]
 
 Each server runs in a process of its own on loopback (started, warmed with short requests at
 each client count and one lone request of the full length, timed, stopped, one after the
@@ -15,7 +15,8 @@ they flatter a speculative server's aggregate) with their share of the tokens. M
 ``--json FILE`` keeps every request's figures. ``--also-fixed``: our two servers also with fixed
 full blocks (``serve --no-adaptive``), to tell the adaptive policy's part. ``--rounds N`` starts
 each server N times, the servers taking turns round by round (a GPU machine drifts by 20-40%
-between runs: compare the medians it adds, per server and client count).
+between runs: compare the medians it adds, per server and client count). ``--stream-interval S``
+is passed on to our servers (``serve --stream-interval``; default: serve's).
 """
 
 import argparse
@@ -53,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--servers", nargs="+", choices=list(SERVERS), default=list(SERVERS),
                         help="which servers to run (default: all three)")
     parser.add_argument("--rounds", type=int, default=1, help="start every server this many times, taking turns")
+    parser.add_argument("--stream-interval", default=None, help="our servers' --stream-interval (default: serve's)")
     args = parser.parse_args()
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.clients) < 1:
         parser.error("--rounds, --requests, --max-tokens and --clients must be at least 1")
@@ -129,7 +131,8 @@ def main() -> None:
     model = args.model or str(fetch(DEFAULT_MODEL))
     draft = args.draft or shipped_draft(DEFAULT_MODEL)
     most = max(*args.clients, 8)  # (the batch width: the most clients, at least serve's default)
-    ours = [sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", model, "--draft", draft, "--port", str(args.port)]
+    ours = [sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", model, "--draft", draft, "--port", str(args.port),
+            *(["--stream-interval", args.stream_interval] if args.stream_interval is not None else [])]
     servers = {
         SERVERS["batched"]: ours + ["--decode-concurrency", str(most)],
         SERVERS["one-at-a-time"]: ours + ["--decode-concurrency", "1"],

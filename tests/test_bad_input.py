@@ -161,6 +161,12 @@ def test_serve_refuses_a_bad_prefix_cache_size_before_loading(capsys, size):
     assert "byte count" in one_error_line(capsys, code)
 
 
+@pytest.mark.parametrize("seconds", ["-0.1", "11", "nan"])
+def test_serve_refuses_a_bad_stream_interval_before_loading(capsys, seconds):
+    code = main(["serve", "--model", "/no/such/model", "--draft", "/no/such/draft", f"--stream-interval={seconds}"])
+    assert "--stream-interval must be 0..10 seconds" in one_error_line(capsys, code)
+
+
 def test_a_closed_pipe_is_not_an_error():
     run = subprocess.run(f"{sys.executable} -m mlx_dflash.cli models list | head -1", shell=True,
                          capture_output=True, text=True)

@@ -29,13 +29,18 @@ NAME = "tiny"
 CONTEXT = 2048
 
 
+def tiny_target_and_draft(path, family: str) -> tuple:
+    """(model, tokenizer, a random one-layer draft for it) of a fresh tiny target at ``path``."""
+    path = make_tiny_target(path, family)
+    model, tokenizer = load_tiny(path)
+    config = json.loads((path / "config.json").read_text())
+    return model, tokenizer, create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_dir):
-    path = make_tiny_target(tiny_dir / "server-qwen3", "qwen3")
-    model, tokenizer = load_tiny(path)
+    model, tokenizer, draft = tiny_target_and_draft(tiny_dir / "server-qwen3", "qwen3")
     tokenizer.eos_token_ids = set()  # random weights: generate to max_tokens
-    config = json.loads((path / "config.json").read_text())
-    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
     port = free_port()
     app = create_app(Served(model, tokenizer, draft, NAME, CONTEXT, 1800))
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -225,46 +230,40 @@ def test_a_lone_generation_moves_into_the_batch_when_others_come(server):
     assert httpx.get(base + "/health").json()["batch"]["moved_in"] == moved + 1
 
 
+def stream_alone(worker: BatchWorker, request) -> list:
+    """``request``'s responses from ``worker``, its client never leaving; the worker's thread closed after."""
+    async def responses() -> list:
+        async def connected() -> bool:
+            return False
+        return [response async for response in worker.stream(request, connected)]
+    try:
+        return asyncio.run(responses())
+    finally:
+        worker.thread.close()
+
+
 def test_a_row_that_reaches_eos_leaves_the_batch_in_that_cycle(tiny_dir):
     """A batch row whose cycle commits an EOS is gone when its client reads its last tokens, so
     the client's next request finds the batch empty and runs alone (single-sequence engine)."""
-    path = make_tiny_target(tiny_dir / "eos-qwen3", "qwen3")
-    model, tokenizer = load_tiny(path)
-    config = json.loads((path / "config.json").read_text())
-    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
+    model, tokenizer, draft = tiny_target_and_draft(tiny_dir / "eos-qwen3", "qwen3")
     prompt = tokenizer.encode("Where does it end?")
     tokenizer.eos_token_ids = set()
     solo = generate(model, tokenizer, prompt, draft, max_tokens=40).tokens
     end = next(k for k in range(3, len(solo)) if solo[k] not in solo[:k])  # (a token first made there)
     tokenizer.eos_token_ids = {solo[end]}
     worker = BatchWorker(BatchDecoder(model, draft), ModelLock(), MLXThread(), max_rows=4)
-
-    async def serve_one() -> tuple[TextStream, bool]:
-        text = TextStream(tokenizer, mx.array(prompt), 40)
-
-        async def connected() -> bool:
-            return False
-        async for _ in worker.stream(BatchRequest(prompt, 40, text), connected):
-            pass
-        return text, worker.busy
-
-    try:
-        text, busy = asyncio.run(serve_one())
-    finally:
-        worker.thread.close()
+    text = TextStream(tokenizer, mx.array(prompt), 40)
+    stream_alone(worker, BatchRequest(prompt, 40, text))
     assert (text.tokens, text.finish_reason) == (solo[:end], "stop")  # (the EOS ends it, not in the text)
-    assert not busy
+    assert not worker.busy
 
 
 def test_the_batch_runs_its_cycles_back_to_back_until_someone_waits_for_a_turn(tiny_dir):
     """The batch's cycles run back to back on the model thread, each request's tokens handed over
     as its cycle ends, until someone waits for the lock: then it gives a turn after the cycle in
     progress, and goes on after it. Its tokens are the solo run's."""
-    path = make_tiny_target(tiny_dir / "turns-qwen3", "qwen3")
-    model, tokenizer = load_tiny(path)
+    model, tokenizer, draft = tiny_target_and_draft(tiny_dir / "turns-qwen3", "qwen3")
     tokenizer.eos_token_ids = set()
-    config = json.loads((path / "config.json").read_text())
-    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
     prompt = tokenizer.encode("Hand them over")
     solo = generate(model, tokenizer, prompt, draft, max_tokens=40).tokens
     worker = BatchWorker(BatchDecoder(model, draft, 4), ModelLock(), MLXThread(), max_rows=4)
@@ -307,16 +306,66 @@ def test_the_batch_runs_its_cycles_back_to_back_until_someone_waits_for_a_turn(t
     assert 1 <= given <= 3 and turns == [0, given], (turns, given)  # (asked after cycle 1, granted by cycle 3)
 
 
+def test_a_batched_request_takes_the_cycles_ending_within_the_stream_interval_as_one_piece():
+    """With a stream interval, a piece holds every cycle's tokens that came until that long after
+    the previous piece; the end (or an error) ends the wait at once; without one, a piece a cycle."""
+    from mlx_dflash.scheduler import BatchRequest
+
+    async def pieces(interval: float) -> list[tuple[object, int, float]]:
+        worker = BatchWorker(None, ModelLock(), None, max_rows=1, stream_interval=interval)
+        request, out, start = BatchRequest([1], 8, None), [], time.perf_counter()
+        request.give([1])
+
+        async def later() -> None:  # (two cycles during the first wait, one more, then the end)
+            await asyncio.sleep(0.02)
+            request.give([2, 3]), request.give([4])
+            await asyncio.sleep(0.4)
+            request.give([5]), request.give(None)
+        feeding = asyncio.get_running_loop().create_task(later())
+        since = time.perf_counter()
+        while True:
+            item, cycles = await worker._piece(request, since)
+            out.append((item, cycles, round(time.perf_counter() - start, 1)))
+            since = time.perf_counter()
+            if item is None:
+                await feeding
+                return out
+
+    assert asyncio.run(pieces(0.3)) == [([1, 2, 3, 4], 3, 0.3), ([5], 1, 0.4), (None, 1, 0.4)]
+    assert [(item, cycles) for item, cycles, _ in asyncio.run(pieces(0.0))] == [
+        ([1], 1), ([2, 3], 1), ([4], 1), ([5], 1), (None, 1)]
+
+
+def test_a_batched_generation_in_fewer_pieces_gives_the_same_text_and_acceptance(tiny_dir):
+    """The same request through the batch with a piece a cycle and with a long stream interval:
+    the same tokens and text, fewer pieces, and the same verifies and tokens a verify (usage)."""
+    from mlx_dflash.server import Acceptance
+
+    model, tokenizer, draft = tiny_target_and_draft(tiny_dir / "pieces-llama", "llama")
+    tokenizer.eos_token_ids = set()
+    prompt = tokenizer.encode("In pieces")
+    runs = {}
+    for interval in (0.0, 10.0):
+        worker = BatchWorker(BatchDecoder(model, draft, 4), ModelLock(), MLXThread(), max_rows=2, stream_interval=interval)
+        text = TextStream(tokenizer, mx.array(prompt), 40)
+        responses = stream_alone(worker, BatchRequest(prompt, 40, text))
+        acceptance = Acceptance()
+        for response in responses:
+            acceptance.add(response)
+        runs[interval] = (text.tokens, "".join(r.text for r in responses), acceptance.tokens, acceptance.verifies,
+                          responses[-1].cycle, len(responses), worker.cycles)
+    (tokens, text, accepted, verifies, last, pieces, cycles), slow = runs[0.0], runs[10.0]
+    assert slow[:5] == (tokens, text, accepted, verifies, last) and len(tokens) == 40 and accepted == 39
+    assert verifies == last == cycles == slow[6] > 3 and pieces == cycles + 1 and slow[5] < pieces
+
+
 @pytest.mark.parametrize("behind", [False, True])
 def test_clients_whose_rows_end_at_eos_together_in_a_queued_adaptive_batch(tiny_dir, behind):
     """Clients each send requests in turn to a batch that queues cycles ahead (as on GPUs) and
     chooses block sizes: many EOS ids make rows end often, several in one cycle and in cycles
     read early as others join (``behind``: joining rows prefilled behind the queued cycle, their
     first tokens streamed from the next step). Every reply is the request's solo reply, and the worker stays whole."""
-    path = make_tiny_target(tiny_dir / "eos-batch-llama", "llama")
-    model, tokenizer = load_tiny(path)
-    config = json.loads((path / "config.json").read_text())
-    draft = create_random_draft(config, num_layers=1, mask_token_id=MASK_ID)
+    model, tokenizer, draft = tiny_target_and_draft(tiny_dir / "eos-batch-llama", "llama")
     prompts = [list(range(30 + k, 36 + 3 * k)) for k in range(12)]
     tokenizer.eos_token_ids = set()
     runs = [generate(model, tokenizer, p, draft, max_tokens=24).tokens for p in prompts]

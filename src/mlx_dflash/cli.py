@@ -15,6 +15,7 @@ from typing import Union
 from .errors import DFlashError
 from .policy import TREE_BUDGETS, fixed_tree_budget
 from .prefix_cache import DEFAULT_SIZE, parse_bytes
+from .scheduler import DEFAULT_STREAM_INTERVAL
 
 WARMING_UP = "warming up (the first run on a GPU compiles its kernels) ..."
 
@@ -546,6 +547,10 @@ def _add_serve(sub) -> None:
                    help="run every decoding path once before serving (on a GPU: builds its kernels)")
     p.add_argument("--decode-concurrency", type=int, default=8, metavar="N",
                    help="greedy requests decoded together in one batch (continuous batching; 1: one at a time)")
+    p.add_argument("--stream-interval", type=float, default=DEFAULT_STREAM_INTERVAL, metavar="SECONDS",
+                   help="a batched request's tokens of the cycles ending within this many seconds of its last "
+                        "streamed piece go out together (fewer pieces for the event loop; 0: one a cycle; "
+                        "default %(default)s)")
     p.add_argument("--prefix-cache-bytes", default=DEFAULT_SIZE, metavar="BYTES",
                    help="memory for prompt states that later requests starting with the same tokens reuse "
                         "(K, M, G suffixes; 0: off; default %(default)s)")
@@ -568,6 +573,8 @@ def _run_serve(args) -> None:
     prefix_cache_bytes = parse_bytes(args.prefix_cache_bytes)
     if args.decode_concurrency < 1:
         raise DFlashError(f"--decode-concurrency must be at least 1, got {args.decode_concurrency}")
+    if not 0 <= args.stream_interval <= 10:
+        raise DFlashError(f"--stream-interval must be 0..10 seconds, got {args.stream_interval}")
     from .distributed import send_job, world
 
     group = world()
@@ -585,7 +592,8 @@ def _run_serve(args) -> None:
             served = thread.call(Served, model, tokenizer, draft, model_name, context,
                                  min(args.max_tokens_limit, context), adaptive=args.adaptive,
                                  block_size=args.block_size, trees=_trees(args),
-                                 prefix_cache_bytes=prefix_cache_bytes, decode_concurrency=args.decode_concurrency)
+                                 prefix_cache_bytes=prefix_cache_bytes, decode_concurrency=args.decode_concurrency,
+                                 stream_interval=args.stream_interval)
             thread.call(_serve_warm_up, args, served)
             if served.unbatched is not None:
                 print(f"greedy requests are served one at a time: {served.unbatched}", file=sys.stderr)

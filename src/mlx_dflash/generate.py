@@ -41,6 +41,7 @@ class StreamResponse:
     decode_tokens_per_sec: float
     finish_reason: Optional[str] = None
     reused_prompt_tokens: int = 0  # prompt tokens restored from a prefix cache, not prefilled
+    verifies: int = 1  # the target verifies that committed its ``acceptance_length`` tokens
 
 
 @dataclass

@@ -41,7 +41,7 @@ from .errors import DFlashError
 from .mlx_thread import MLXThread, ModelLock
 from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
 from .prefix_cache import DEFAULT_SIZE, PrefixCache, parse_bytes
-from .scheduler import BatchRequest, BatchWorker
+from .scheduler import DEFAULT_STREAM_INTERVAL, BatchRequest, BatchWorker
 from .sampling import MAX_SEED, SamplingParams
 from .target import text_args
 from .tool_calls import ToolCallText
@@ -74,6 +74,7 @@ class Served:
     trees: Union[bool, int] = False  # tree verification (``stream_generate``'s ``trees``)
     prefix_cache_bytes: int = field(default_factory=lambda: parse_bytes(DEFAULT_SIZE))  # 0: no prefix cache
     decode_concurrency: int = 8  # greedy requests decoded together (``batch.py``); 1: one at a time
+    stream_interval: float = DEFAULT_STREAM_INTERVAL  # a batched request's tokens go out together within it (``scheduler.py``)
 
     def __post_init__(self) -> None:
         # one block policy for all requests: the costs it measured carry over (policy.py)
@@ -354,7 +355,18 @@ def follow(served: Served) -> None:
             pass
 
 
-def _usage(job: Job, completion_tokens: int, acceptance: list[int], last) -> dict:
+class Acceptance:
+    """The tokens a generation's verifies committed, over its pieces (a piece may hold several verifies')."""
+
+    def __init__(self) -> None:
+        self.tokens = self.verifies = 0
+
+    def add(self, response: StreamResponse) -> None:
+        if response.acceptance_length:
+            self.tokens, self.verifies = self.tokens + response.acceptance_length, self.verifies + response.verifies
+
+
+def _usage(job: Job, completion_tokens: int, acceptance: Acceptance, last) -> dict:
     tps = last.decode_tokens_per_sec if last is not None else 0.0
     return {
         "prompt_tokens": len(job.prompt),
@@ -362,8 +374,8 @@ def _usage(job: Job, completion_tokens: int, acceptance: list[int], last) -> dic
         "total_tokens": len(job.prompt) + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": last.reused_prompt_tokens if last is not None else 0},
         "dflash": {
-            "cycles": len(acceptance),
-            "mean_acceptance_length": sum(acceptance) / len(acceptance) if acceptance else 0.0,
+            "cycles": acceptance.verifies,
+            "mean_acceptance_length": acceptance.tokens / acceptance.verifies if acceptance.verifies else 0.0,
             "decode_tokens_per_sec": tps,
         },
     }
@@ -421,7 +433,8 @@ def create_app(served: Served, thread: Optional[MLXThread] = None) -> FastAPI:
     async def server_error(request: Request, exc: Exception):
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    worker = BatchWorker(served.batch, lock, thread, served.decode_concurrency) if served.batch is not None else None
+    worker = (BatchWorker(served.batch, lock, thread, served.decode_concurrency, served.stream_interval)
+              if served.batch is not None else None)
 
     solo = asyncio.Lock()  # one generation outside the batch at a time
 
@@ -507,11 +520,11 @@ def create_app(served: Served, thread: Optional[MLXThread] = None) -> FastAPI:
         calls = ToolCallText(served.tokenizer, job.tools, streaming=job.stream) if job.tools else None
         if job.stream:
             async def events():
-                tokens, acceptance, last, sent = 0, [], None, False
+                tokens, acceptance, last, sent = 0, Acceptance(), None, False
                 try:
                     async for r in run(job, request):
                         last, tokens = r, tokens + len(r.tokens)
-                        acceptance += [r.acceptance_length] if r.acceptance_length else []
+                        acceptance.add(r)
                         text, made = calls.add(r.text) if calls is not None else (r.text, [])
                         if text or made:
                             chunk = _chunk(job, rid, created, served.name, text, None, first=not sent, calls=made)
@@ -531,11 +544,11 @@ def create_app(served: Served, thread: Optional[MLXThread] = None) -> FastAPI:
                     yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        pieces, tokens, acceptance, last = [], 0, [], None
+        pieces, tokens, acceptance, last = [], 0, Acceptance(), None
         async for r in run(job, request):
             pieces.append(r.text)
             last, tokens = r, tokens + len(r.tokens)
-            acceptance += [r.acceptance_length] if r.acceptance_length else []
+            acceptance.add(r)
         text, made = calls.whole("".join(pieces)) if calls is not None else ("".join(pieces), [])
         finish = _finish_reason(last, calls)
         usage = _usage(job, tokens, acceptance, last)
