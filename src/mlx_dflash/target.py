@@ -361,8 +361,13 @@ class Target:
     def _tree_ropes(self, depths: mx.array, known: Optional[list[int]] = None) -> AbstractContextManager:
         """The model's RoPE modules at the block's start plus ``depths`` (``TreeRope``; ``known``:
         the same depths on the host)."""
-        parents = [module for layer in self.model.layers for module in layer.modules() if "rope" in module.children()]
-        return swapped([(parent, "rope", parent.rope, TreeRope(parent.rope, depths, known)) for parent in parents])
+        return swapped([(parent, "rope", parent.rope, TreeRope(parent.rope, depths, known)) for parent in self._rope_parents])
+
+    @functools.cached_property
+    def _rope_parents(self) -> list[nn.Module]:
+        """The modules that hold the model's RoPE modules, found once (a walk of every module costs
+        a host tree's cycle milliseconds)."""
+        return [module for layer in self.model.layers for module in layer.modules() if "rope" in module.children()]
 
     def keep_path(self, cache: list[Any], path: list[int], tree_size: int) -> None:
         """After ``verify_tree``: keep the accepted nodes (``path``, from the root), moved to
