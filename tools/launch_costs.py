@@ -133,16 +133,17 @@ def draft_pass_compiled():
     return draft_pass(compiled_proposer)
 
 
-def tree_build():
+def build_tree():
     logits, columns = compiled_proposer.candidate_logits(block[:1], 15)
-    tree = device_tree(block[:1], logits, args.tree_budget, columns)
+    return device_tree(block[:1], logits, args.tree_budget, columns)
+
+
+def tree_build():
+    tree = build_tree()
     return [tree.tokens, tree.depths, tree.ancestors, tree.parents]
 
 
-TREE = None
-if args.tree_budget:
-    tree_logits, tree_columns = compiled_proposer.candidate_logits(block[:1], 15)
-    TREE = device_tree(block[:1], tree_logits, args.tree_budget, tree_columns)
+TREE = build_tree() if args.tree_budget else None
 
 
 def tree_verify():
