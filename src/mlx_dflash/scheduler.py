@@ -59,7 +59,7 @@ class BatchWorker:
     """Runs the batch's cycles while it has rows or requests waiting (at most ``max_rows`` rows)."""
 
     def __init__(self, decoder: BatchDecoder, lock: ModelLock, thread: MLXThread, max_rows: int,
-                 stream_interval: float = 0.0):
+                 stream_interval: float = DEFAULT_STREAM_INTERVAL):
         self.decoder, self.lock, self.thread, self.max_rows = decoder, lock, thread, max_rows
         self.stream_interval = stream_interval  # seconds a request's tokens may wait to go out together
         self.pending: list[BatchRequest] = []
