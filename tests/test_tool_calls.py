@@ -15,6 +15,7 @@ from tiny_models import MASK_ID, free_port, load_tiny, make_tiny_target, wait_un
 
 import mlx_dflash.server as server_module
 from mlx_dflash import create_random_draft
+from mlx_dflash.generate import StreamResponse
 from mlx_dflash.server import Served, create_app
 from mlx_dflash.tool_calls import ToolCallText
 
@@ -82,8 +83,9 @@ def tool_server(tiny_dir):
         prompts.append(tokenizer.decode(prompt))
         pieces = [REPLY[:9], REPLY[9:20], REPLY[20:51], REPLY[51:]]
         for i, piece in enumerate(pieces):
-            yield SimpleNamespace(text=piece, tokens=[1], acceptance_length=1, decode_tokens_per_sec=1.0,
-                                  reused_prompt_tokens=0, finish_reason="stop" if i == len(pieces) - 1 else None)
+            yield StreamResponse(text=piece, tokens=[1], acceptance_length=1, cycle=i, prompt_tokens=len(prompt),
+                                 prefill_seconds=0.0, generation_tokens=i + 1, decode_tokens_per_sec=1.0,
+                                 finish_reason="stop" if i == len(pieces) - 1 else None)
 
     port = free_port()
     app = create_app(Served(model, tokenizer, draft, "tiny", 2048, 256, decode_concurrency=1))
