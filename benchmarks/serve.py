@@ -125,6 +125,35 @@ def model_thread(port: int) -> Optional[dict]:
         return None
 
 
+def measure_server(label: str, command: list[str], args: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    """Start one server, warm it, and time it at each client count (``run_clients``' figures, with
+    our server's model thread's busy share over each run); stop it."""
+    process = start(command, args.port)
+    results = []
+    try:
+        # (mlx-lm's server takes "default_model" for the model it was started with)
+        served = "default_model" if label.startswith("mlx_lm") else httpx.get(
+            f"http://127.0.0.1:{args.port}/v1/models").json()["data"][0]["id"]
+        for clients in args.clients:  # (warm: each batch size's kernels built before timing)
+            run_clients(args.port, served, clients, 1, prompts, max(8, args.max_tokens // 4))
+        # and a lone client at the full length (a prompt the timed runs do not send): in the batched server
+        # the warm-up's first requests move into the batch, so its single-sequence engine would otherwise
+        # meet the longer caches' shapes (new traces) in the timed runs
+        run_clients(args.port, served, 1, 1, prompts[-1:], args.max_tokens)
+        for clients in args.clients:
+            before = model_thread(args.port)
+            result = run_clients(args.port, served, clients, args.requests, prompts, args.max_tokens)
+            after = model_thread(args.port)
+            result["model_busy_share"] = ((after["busy_s"] - before["busy_s"]) / (after["up_s"] - before["up_s"])
+                                          if before and after else None)
+            results.append(result)
+            print(f"{label}: {clients} clients: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    return results
+
+
 def main() -> None:
     args = parse_args()
     use_fast_blas()  # (the servers inherit it: mlx-lm's on the same BLAS as ours)
@@ -145,32 +174,8 @@ def main() -> None:
     chosen = {SERVERS[name] for name in args.servers}
     servers = {label: command for label, command in servers.items() if label.split(", fixed")[0] in chosen}
     prompts = humaneval_prompts()
-    rows, everything = [], {}
-    for _ in range(args.rounds):
-        for label, command in servers.items():
-            process = start(command, args.port)
-            try:
-                # (mlx-lm's server takes "default_model" for the model it was started with)
-                served = "default_model" if label.startswith("mlx_lm") else httpx.get(
-                    f"http://127.0.0.1:{args.port}/v1/models").json()["data"][0]["id"]
-                for clients in args.clients:  # (warm: each batch size's kernels built before timing)
-                    run_clients(args.port, served, clients, 1, prompts, max(8, args.max_tokens // 4))
-                # and a lone client at the full length (a prompt the timed runs do not send): in the batched server
-                # the warm-up's first requests move into the batch, so its single-sequence engine would otherwise
-                # meet the longer caches' shapes (new traces) in the timed runs
-                run_clients(args.port, served, 1, 1, prompts[-1:], args.max_tokens)
-                for clients in args.clients:
-                    before = model_thread(args.port)
-                    result = run_clients(args.port, served, clients, args.requests, prompts, args.max_tokens)
-                    after = model_thread(args.port)
-                    result["model_busy_share"] = ((after["busy_s"] - before["busy_s"]) / (after["up_s"] - before["up_s"])
-                                                  if before and after else None)
-                    everything.setdefault(label, []).append(result)
-                    rows.append((label, result))
-                    print(f"{label}: {clients} clients: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-            finally:
-                process.terminate()
-                process.wait(timeout=60)
+    rows = [(label, result) for _ in range(args.rounds) for label, command in servers.items()
+            for result in measure_server(label, command, args, prompts)]
     print("| server | clients | aggregate tok/s | TTFT p50 / p95 s | per token p50 / p95 ms | at the cap (token share) "
           "| model thread busy |")
     print("|---|---|---|---|---|---|---|")
@@ -187,6 +192,7 @@ def main() -> None:
                 rates = [r["tok_s"] for lbl, r in rows if lbl == label and r["clients"] == clients]
                 print(f"| {label} | {clients} | {' / '.join(f'{x:.1f}' for x in rates)} | {statistics.median(rates):.1f} |")
     if args.json:
+        everything = {label: [r for lbl, r in rows if lbl == label] for label in servers}
         Path(args.json).write_text(json.dumps(everything, indent=1))
 
 
