@@ -46,6 +46,17 @@ def test_launch_costs(pair):
     assert all(piece in out for piece in ("mlx-lm step", "target verify16", "verify compiled", "draft compiled"))
 
 
+def test_attention_costs_says_it_needs_cuda():
+    """Off CUDA (this suite's machines) it stops in one line; on CUDA it times both kernels."""
+    from mlx_dflash.device import on_cuda
+    if on_cuda():
+        out = run_tool("attention_costs.py", "--queries", "16", "--keys", "64", "--iters", "1", "--layers", "2")
+        assert out.count("| causal |") == 1 and out.count("| array |") == 1
+        return
+    done = subprocess.run([sys.executable, str(TOOLS / "attention_costs.py")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.strip() == "attention_costs: our block attention runs on MLX's CUDA backend only"
+
+
 def test_cycle_timeline(pair, tmp_path):
     model, draft = pair
     prompts = tmp_path / "prompts.jsonl"
