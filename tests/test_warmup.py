@@ -67,6 +67,26 @@ def test_long_context_only_where_block_attention_switches_kernels(pair, monkeypa
     assert warmup_module.long_prompt_length(target, proposer) == warmup_module.MAX_HEADS_TIMES_KEYS // heads + 1
 
 
+def test_trees_are_warmed_past_the_switch_too(pair, monkeypatch):
+    """Where attention switches kernels past a long prompt, the warm-up runs there the policy's
+    trees and fixed trees as well as blocks (a tree's verify switches at fewer keys)."""
+    from mlx_dflash.policy import BlockPolicy
+
+    _, model, _, draft, _, _ = pair
+    long_runs, run_path = [], warmup_module.run_path
+
+    def recorded(target, proposer, prompt_length, block_size, **kwargs):
+        if prompt_length == 40:
+            long_runs.append((kwargs.get("script"), kwargs.get("tree_budget")))
+        return run_path(target, proposer, prompt_length, block_size, **kwargs)
+
+    monkeypatch.setattr(warmup_module, "run_path", recorded)
+    monkeypatch.setattr(warmup_module, "long_prompt_length", lambda target, proposer: 40)
+    warmup_module.warm_up(model, draft, 8, GPU_PATHS, sampling=False, policy=BlockPolicy(8, tree_budgets=(16,)),
+                          tree_budget=4)
+    assert long_runs[0] == ([8, 8, 0, 1, 8, 17], None) and long_runs[1:] == [(None, 4)]
+
+
 def test_cli_warmup_flag(pair, tmp_path, capsys):
     path, model, tokenizer, draft, prompt, reference = pair
     from mlx_dflash import save_draft

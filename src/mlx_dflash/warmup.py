@@ -145,8 +145,11 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
     if block_size > 1:
         run_deferred_contexts(target, proposer, block_size)
     longest = long_prompt_length(target, proposer)
-    if longest and longest + 2 * block_size < room:
-        run_path(target, proposer, longest, block_size, script=[block_size, block_size, 0, 1, block_size])
+    long_trees = [1 + budget for budget in trees]  # (trees switch kernels at fewer keys: past it too)
+    if longest and longest + 2 * max([block_size, *long_trees, 1 + (tree_budget or 0)]) < room:
+        run_path(target, proposer, longest, block_size, script=[block_size, block_size, 0, 1, block_size, *long_trees])
+        if tree_budget:
+            run_path(target, proposer, longest, block_size, tree_budget=tree_budget)
     if sampling and hasattr(proposer, "draft_logits"):
         temperature = SamplingParams(temp=1.0)
         run_path(target, proposer, short, block_size, sampling=temperature)
