@@ -69,7 +69,7 @@ def test_long_context_only_where_block_attention_switches_kernels(pair, monkeypa
 
 def test_trees_are_warmed_past_the_switch_too(pair, monkeypatch):
     """Where attention switches kernels past a long prompt, the warm-up runs there the policy's
-    trees and fixed trees as well as blocks (a tree's verify switches at fewer keys)."""
+    trees and fixed trees as well as blocks (a tree's verify has shapes of its own to build there)."""
     from mlx_dflash.policy import BlockPolicy
 
     _, model, _, draft, _, _ = pair

@@ -32,9 +32,6 @@ MAX_HEAD_DIM = 256
 # reduction a key), while MLX's fallback, launch-bound, barely grows: past the crossover measured
 # on an H200 (the lowest of three models', docs/performance.md), MLX's own call.
 MAX_HEADS_TIMES_KEYS = 14 * 1024
-# That crossover is a 16-query block's; more queries (a tree's verify) launch proportionally more
-# thread blocks, each walking every key: their limit shrinks in proportion.
-CROSSOVER_QUERIES = 16
 
 _SOURCE = """
     constexpr int per_lane = D / 32;
@@ -104,9 +101,7 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: Union[None, 
         mask_ok = mask is None or mask == "causal"
     return (on_cuda() and queries.ndim == 4 and queries.shape[2] > 1 and mask_ok
             and queries.dtype == keys.dtype == values.dtype and D % 32 == 0 and D <= MAX_HEAD_DIM and keys.shape[-1] == D and values.shape[-1] == D
-            and queries.shape[1] % keys.shape[1] == 0
-            and queries.shape[1] * keys.shape[2] * max(queries.shape[2], CROSSOVER_QUERIES)
-            <= MAX_HEADS_TIMES_KEYS * CROSSOVER_QUERIES)
+            and queries.shape[1] % keys.shape[1] == 0 and queries.shape[1] * keys.shape[2] <= MAX_HEADS_TIMES_KEYS)
 
 
 def block_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,

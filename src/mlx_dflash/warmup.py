@@ -145,7 +145,7 @@ def warm_up(model: nn.Module, draft: Union[DFlashDraft, Proposer], block_size: O
     if block_size > 1:
         run_deferred_contexts(target, proposer, block_size)
     longest = long_prompt_length(target, proposer)
-    long_trees = [1 + budget for budget in trees]  # (trees switch kernels at fewer keys: past it too)
+    long_trees = [1 + budget for budget in trees]  # (a tree's verify switches kernels there too: its own shapes)
     if longest and longest + 2 * max([block_size, *long_trees, 1 + (tree_budget or 0)]) < room:
         run_path(target, proposer, longest, block_size, script=[block_size, block_size, 0, 1, block_size, *long_trees])
         if tree_budget:
