@@ -23,6 +23,9 @@
 #                 0.05, alternating, ROUNDS (3) times each
 #   attention     our one-launch block attention against MLX's call (tools/attention_costs.py): the default
 #                 pair's and a Qwen3-8B-shaped target's heads, 16-query blocks and 64-node trees, 1 and 8 rows
+#   switch-interval  our batching server at 8 and 16 clients x 4 requests (bfloat16) with Python's interpreter switch
+#                 interval (0.005 s) against 0.0005 (benchmarks/serve.py --switch-interval), alternating, ROUNDS (3)
+#                 times each
 #   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows prefilled behind the queued
 #                 cycle (EngineOptions.join_behind, the GPU default) against rows joining after it is read,
 #                 alternating, three times each (the batch only: its one-at-a-time runs are in the serve part)
@@ -106,6 +109,14 @@ for part in "${PARTS[@]}"; do
             --stream-interval $interval | tee "$RESULTS/stream-interval-$interval-$run.md"
         done
       done ;;
+    switch-interval)
+      model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
+      for run in $(seq ${ROUNDS:-3}); do
+        for interval in 0.005 0.0005; do
+          python3 benchmarks/serve.py --model "$model" --clients 8 16 --requests 4 --max-tokens 256 --servers batched \
+            --switch-interval $interval | tee "$RESULTS/switch-interval-$interval-$run.md"
+        done
+      done ;;
     attention)
       python3 tools/attention_costs.py --batch 1 8 --queries 16 64 --keys 256 512 1024 2048 4096 | tee "$RESULTS/attention-smollm2.md"
       python3 tools/attention_costs.py --heads 32 --kv-heads 8 --head-dim 128 --queries 16 64 --keys 256 1024 4096 \
@@ -118,6 +129,6 @@ for part in "${PARTS[@]}"; do
             --join-behind $way | tee "$RESULTS/joins-$way-$run.txt"
         done
       done ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, serve-rounds, stream-interval, attention, joins)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, serve-rounds, stream-interval, switch-interval, attention, joins)" >&2; exit 2 ;;
   esac
 done

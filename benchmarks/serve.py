@@ -2,7 +2,7 @@
 server one request at a time, and mlx-lm's batched server (no draft), side by side on one machine.
 
     python benchmarks/serve.py [--model M] [--draft D] [--clients 1 4 8 16] [--requests 2] [--max-tokens 128]
-        [--also-fixed] [--servers batched one-at-a-time mlx-lm] [--rounds N] [--stream-interval S]
+        [--also-fixed] [--servers batched one-at-a-time mlx-lm] [--rounds N] [--stream-interval S] [--switch-interval S]
 
 Each server runs in a process of its own on loopback (started, warmed with short requests at
 each client count and one lone request of the full length, timed, stopped, one after the
@@ -16,7 +16,10 @@ they flatter a speculative server's aggregate) with their share of the tokens. M
 full blocks (``serve --no-adaptive``), to tell the adaptive policy's part. ``--rounds N`` starts
 each server N times, the servers taking turns round by round (a GPU machine drifts by 20-40%
 between runs: compare the medians it adds, per server and client count). ``--stream-interval S``
-is passed on to our servers (``serve --stream-interval``; default: serve's).
+is passed on to our servers (``serve --stream-interval``; default: serve's). ``--switch-interval S``
+starts our servers with ``sys.setswitchinterval(S)`` (Python's default: 0.005 s): how long a thread
+that wants the interpreter lock waits before the one holding it is made to let go (the model
+thread, building a cycle, and the event loop, streaming, share it).
 """
 
 import argparse
@@ -55,6 +58,8 @@ def parse_args() -> argparse.Namespace:
                         help="which servers to run (default: all three)")
     parser.add_argument("--rounds", type=int, default=1, help="start every server this many times, taking turns")
     parser.add_argument("--stream-interval", default=None, help="our servers' --stream-interval (default: serve's)")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="our servers' sys.setswitchinterval, seconds (default: Python's)")
     args = parser.parse_args()
     if args.rounds < 1 or args.requests < 1 or args.max_tokens < 1 or min(args.clients) < 1:
         parser.error("--rounds, --requests, --max-tokens and --clients must be at least 1")
@@ -146,6 +151,7 @@ def measure_server(label: str, command: list[str], args: argparse.Namespace, pro
             after = model_thread(args.port)
             result["model_busy_share"] = ((after["busy_s"] - before["busy_s"]) / (after["up_s"] - before["up_s"])
                                           if before and after else None)
+            result["switch_interval_s"] = after["switch_interval_s"] if after else None
             results.append(result)
             print(f"{label}: {clients} clients: {result['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     finally:
@@ -160,7 +166,10 @@ def main() -> None:
     model = args.model or str(fetch(DEFAULT_MODEL))
     draft = args.draft or shipped_draft(DEFAULT_MODEL)
     most = max(*args.clients, 8)  # (the batch width: the most clients, at least serve's default)
-    ours = [sys.executable, "-m", "mlx_dflash.cli", "serve", "--model", model, "--draft", draft, "--port", str(args.port),
+    interpreter = [sys.executable, "-m", "mlx_dflash.cli"] if args.switch_interval is None else [
+        sys.executable, "-c", f"import sys; sys.setswitchinterval({args.switch_interval!r}); "
+        "from mlx_dflash.cli import main; sys.exit(main())"]
+    ours = [*interpreter, "serve", "--model", model, "--draft", draft, "--port", str(args.port),
             *(["--stream-interval", args.stream_interval] if args.stream_interval is not None else [])]
     servers = {
         SERVERS["batched"]: ours + ["--decode-concurrency", str(most)],

@@ -125,6 +125,20 @@ def test_serve_benchmark(pair, tmp_path):
     assert all(c[6] == "-" for c in cells if c[0].startswith("mlx_lm"))
 
 
+def test_serve_benchmark_sets_our_servers_switch_interval(pair, tmp_path):
+    """``--switch-interval S``: our server runs with that interpreter switch interval (its
+    ``/health`` says so), and without it with Python's own."""
+    model, draft = pair
+    intervals = []
+    for extra in (["--switch-interval", "0.0005"], []):
+        run_tool("serve.py", "--model", model, "--draft", draft, "--clients", "1", "--requests", "1", "--max-tokens", "4",
+                 "--port", str(free_port()), "--servers", "batched", "--json", str(tmp_path / "serve.json"), *extra,
+                 folder=BENCHMARKS)
+        (runs,) = json.loads((tmp_path / "serve.json").read_text()).values()
+        intervals.append(runs[0]["switch_interval_s"])
+    assert intervals == [0.0005, sys.getswitchinterval()]
+
+
 def test_serve_benchmark_takes_turns_over_rounds(pair):
     """``--rounds 2 --servers ...``: the chosen servers started twice, taking turns, with a
     median per server and client count."""

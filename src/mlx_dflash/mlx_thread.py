@@ -15,6 +15,7 @@ event loop, which hands the tokens over meanwhile.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,8 +76,11 @@ class MLXThread:
 
     def stats(self) -> dict:
         """Seconds since the thread started, and of them spent running calls (``/health``: over a
-        stretch of streaming, a busy share well under 1 means the model waited for the event loop)."""
-        return {"up_s": round(time.perf_counter() - self.started, 4), "busy_s": round(self.busy_seconds, 4)}
+        stretch of streaming, a busy share well under 1 means the model waited for the event loop);
+        and the interpreter's switch interval: how long the thread may wait for the lock the event
+        loop holds before the loop is made to let go."""
+        return {"up_s": round(time.perf_counter() - self.started, 4), "busy_s": round(self.busy_seconds, 4),
+                "switch_interval_s": sys.getswitchinterval()}
 
     async def pump(self, items: Iterator[T], go_on: Callable[[], bool]) -> AsyncIterator[Optional[T]]:
         """``items``' next items, made one after another on the thread and each handed over as
