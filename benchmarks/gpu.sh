@@ -43,6 +43,19 @@ PROMPT_ARGS=(); [ -n "${PROMPTS:-}" ] && PROMPT_ARGS=(--prompts "$PROMPTS")
 DRAFT=$(python3 -c "from mlx_dflash.models import shipped_draft; print(shipped_draft('smollm2-135m'))")
 mkdir -p "$RESULTS"
 python3 -c "import mlx.core as mx; print('MLX', mx.__version__, mx.default_device())" | tee "$RESULTS/device.txt"
+# Our batching server (bfloat16) at 8 and 16 clients x 4 requests with benchmarks/serve.py's --OPTION at
+# each VALUE in turn, ROUNDS (3) times: serve_ab OPTION VALUE...
+serve_ab() {
+  local option=$1 model run value
+  shift
+  model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
+  for run in $(seq ${ROUNDS:-3}); do
+    for value in "$@"; do
+      python3 benchmarks/serve.py --model "$model" --clients 8 16 --requests 4 --max-tokens 256 --servers batched \
+        --"$option" "$value" | tee "$RESULTS/$option-$value-$run.md"
+    done
+  done
+}
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(default-f32 default-bf16 scale)
 for part in "${PARTS[@]}"; do
@@ -102,21 +115,9 @@ for part in "${PARTS[@]}"; do
           --servers batched one-at-a-time --rounds ${ROUNDS:-3} | tee "$RESULTS/serve-rounds-$dtype.md"
       done ;;
     stream-interval)
-      model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
-      for run in $(seq ${ROUNDS:-3}); do
-        for interval in 0 0.05; do
-          python3 benchmarks/serve.py --model "$model" --clients 8 16 --requests 4 --max-tokens 256 --servers batched \
-            --stream-interval $interval | tee "$RESULTS/stream-interval-$interval-$run.md"
-        done
-      done ;;
+      serve_ab stream-interval 0 0.05 ;;
     switch-interval)
-      model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
-      for run in $(seq ${ROUNDS:-3}); do
-        for interval in 0.005 0.0005; do
-          python3 benchmarks/serve.py --model "$model" --clients 8 16 --requests 4 --max-tokens 256 --servers batched \
-            --switch-interval $interval | tee "$RESULTS/switch-interval-$interval-$run.md"
-        done
-      done ;;
+      serve_ab switch-interval 0.005 0.0005 ;;
     attention)
       python3 tools/attention_costs.py --batch 1 8 --queries 16 64 --keys 256 512 1024 2048 4096 | tee "$RESULTS/attention-smollm2.md"
       python3 tools/attention_costs.py --heads 32 --kv-heads 8 --head-dim 128 --queries 16 64 --keys 256 1024 4096 \
