@@ -51,7 +51,7 @@ def test_attention_costs_says_it_needs_cuda():
     from mlx_dflash.device import on_cuda
     if on_cuda():
         out = run_tool("attention_costs.py", "--queries", "16", "--keys", "64", "--iters", "1", "--layers", "2")
-        assert out.count("| causal |") == 1 and out.count("| array |") == 1
+        assert out.count("| causal |") == 1 and out.count("| array |") == 1 and out.count("| True |") == 2
         return
     done = subprocess.run([sys.executable, str(TOOLS / "attention_costs.py")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and done.stderr.strip() == "attention_costs: our block attention runs on MLX's CUDA backend only"

@@ -6,8 +6,9 @@
 For each batch x queries x keys (a verify's block or tree, a draft pass's block) and mask
 ("causal": a chain's block; "array": a boolean [queries, keys] mask, as trees pass), the time
 per call of each, ``--layers`` calls queued back to back and read once (as a forward's layers
-run: the host's launches count), median of ``--iters``. ``cuda_attention.fits`` decides
-which one the engine takes: the last column says what it picks today. Needs MLX's CUDA backend.
+run: the host's launches count), median of ``--iters``, and whether the two outputs agree (to
+the dtype's rounding). ``cuda_attention.fits`` decides which one the engine takes: the last
+column says what it picks today. Needs MLX's CUDA backend.
 """
 
 import argparse
@@ -55,11 +56,12 @@ def mlx_call(queries, keys, values, mask):
 
 
 dtype = getattr(mx, args.dtype)
+TOLERANCE = 1e-4 if args.dtype == "float32" else 2e-2  # (half precision: outputs rounded to ~3 digits)
 scale = args.head_dim ** -0.5
 print(f"MLX {mx.__version__} {mx.default_device()}, {args.heads} query heads, {args.kv_heads} key heads, "
       f"head size {args.head_dim}, {args.dtype}, {args.layers} calls queued")
-print("| mask | batch | queries | keys | heads x keys | ours ms | MLX ms | ours/MLX | fits today |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| mask | batch | queries | keys | heads x keys | ours ms | MLX ms | ours/MLX | same output | fits today |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for kind in args.mask:
     for batch in args.batch:
         for length in args.queries:
@@ -71,6 +73,8 @@ for kind in args.mask:
                 mask = "causal" if kind == "causal" else mx.tril(mx.ones((length, size), mx.bool_), k=size - length)
                 mx.eval(queries, keys, values, *([mask] if kind == "array" else []))
                 mine, theirs = (ms_per_call(f, queries, keys, values, mask) for f in (ours, mlx_call))
+                same = mx.allclose(ours(queries, keys, values, mask), mlx_call(queries, keys, values, mask),
+                                   rtol=TOLERANCE, atol=TOLERANCE).item()
                 picks = "ours" if cuda_attention.fits(queries, keys, values, mask) else "MLX"
                 print(f"| {kind} | {batch} | {length} | {size} | {args.heads * size} | {mine:.4f} | {theirs:.4f} "
-                      f"| {mine / theirs:.2f} | {picks} |", flush=True)
+                      f"| {mine / theirs:.2f} | {same} | {picks} |", flush=True)
