@@ -152,8 +152,10 @@ def tree_verify():
     order, accepted = TREE.walk(choices)
     tokens, feats = choices[order], feats[:, order]
     compiled_target.move_path(cache, order, 16)
-    # a device count: all the tree's nodes, the context as before
-    compiled_target.rollback(cache, TREE.size - accepted[0] + accepted[0])
+    # a cycle rolls back the nodes off the path (a count on the device); the path's nodes go too,
+    # so that every iteration starts from the same --context
+    off_path = TREE.size - accepted[0]
+    compiled_target.rollback(cache, off_path + accepted[0])
     compiled_target.settle(cache, args.context)
     return [tokens, accepted, feats]
 

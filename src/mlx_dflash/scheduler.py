@@ -122,7 +122,8 @@ class BatchWorker:
             if not isinstance(item, list):
                 request.held.append(item)
                 break
-            tokens, cycles = tokens + item, cycles + 1
+            tokens.extend(item)
+            cycles += 1
         return tokens, cycles
 
     async def _run(self) -> None:
