@@ -30,7 +30,9 @@ WARPS = 16  # warps per (query, head): each walks every WARPS-th key
 MAX_HEAD_DIM = 256
 # The kernel's work grows with query heads x keys (each (query, head) walks every key, one warp
 # reduction a key), while MLX's fallback, launch-bound, barely grows: past the crossover measured
-# on an H200 (the lowest of three models', docs/performance.md), MLX's own call.
+# on an H200 (the lowest of three models', docs/performance.md), MLX's own call. Trees and batches
+# keep it: a limit shrunk by their queries or rows made them no faster end to end, though alone
+# ours is slower there (MLX's call moves work to the host, which a pipelined cycle pays too).
 MAX_HEADS_TIMES_KEYS = 14 * 1024
 
 _SOURCE = """
