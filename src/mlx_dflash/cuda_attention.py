@@ -31,8 +31,8 @@ MAX_HEAD_DIM = 256
 # The kernel's work grows with query heads x keys (each (query, head) walks every key, one warp
 # reduction a key), while MLX's fallback, launch-bound, barely grows: past the crossover measured
 # on an H200 (the lowest of three models', docs/performance.md), MLX's own call. Trees and batches
-# keep it: a limit shrunk by their queries or rows made them no faster end to end, though alone
-# ours is slower there (MLX's call moves work to the host, which a pipelined cycle pays too).
+# keep it: a limit shrunk by their queries or rows made trees no faster and batches slower end to
+# end, though alone ours is slower there (MLX's call adds host work, which a pipelined cycle pays).
 MAX_HEADS_TIMES_KEYS = 14 * 1024
 
 _SOURCE = """
