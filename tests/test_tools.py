@@ -81,6 +81,27 @@ def test_policy_simulation(tmp_path):
     assert "59 blocks" in perfect and float(perfect.split(", ")[-1].split()[0]) > 10
 
 
+def test_policy_cycles(tmp_path):
+    """Per size: cycles, switches, tokens, time share, tok/s, steady and switch medians."""
+    cycles = [[16, 5, 0.010, False], [16, 4, 0.010, False], [65, 6, 0.020, False], [65, 7, 0.012, False],
+              [16, 5, 0.011, False], [1, 1, 0.004, True]]
+    results = {"config": {"tree_budgets": [64]},
+               "runs": [{"method": "dflash", "prompt": 0, "policy_cycles": []},
+                        {"method": "dflash_adaptive", "prompt": 0, "policy_cycles": cycles}]}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    out = run_tool("policy_cycles.py", str(tmp_path / "results.json"))
+    assert out.startswith("dflash_adaptive: 1 text, 6 cycles, 28 tokens in 0.07 s (417.9 tok/s)")
+    assert "| tree of 64 | 2 | 1 | 13 | 6.50 | 47.8% | 406.2 | 12.00 | 20.00 |" in out
+    assert "| chain of 16 | 3 | 2 | 14 | 4.67 | 46.3% | 451.6 | 10.00 | 10.50 |" in out
+    assert "| plain step | 1 | 1 | 1 | 1.00 | 6.0% | 250.0 | - | 4.00 |" in out
+    del results["runs"][1]
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    for path in (tmp_path / "results.json", tmp_path / "missing.json"):
+        done = subprocess.run([sys.executable, str(TOOLS / "policy_cycles.py"), str(path)], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def test_cold_start(tmp_path):
     env_folder = tmp_path / "kernels"
     done = subprocess.run([sys.executable, str(TOOLS / "cold_start.py"), "--shape", "tiny", "--length", "8",
