@@ -26,6 +26,9 @@
 #   switch-interval  our batching server at 8 and 16 clients x 4 requests (bfloat16) with Python's interpreter switch
 #                 interval (0.005 s) against 0.0005 (benchmarks/serve.py --switch-interval), alternating, ROUNDS (3)
 #                 times each
+#   trees-long    the default pair (float32) at LENGTHS tokens: chains, the adaptive policy with the tree of 64
+#                 allowed, every full block a tree of 64, then where the adaptive run's time went size by size
+#                 (tools/policy_cycles.py)
 #   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows prefilled behind the queued
 #                 cycle (EngineOptions.join_behind, the GPU default) against rows joining after it is read,
 #                 alternating, three times each (the batch only: its one-at-a-time runs are in the serve part)
@@ -122,6 +125,11 @@ for part in "${PARTS[@]}"; do
       python3 tools/attention_costs.py --batch 1 8 --queries 16 64 --keys 256 512 1024 2048 4096 | tee "$RESULTS/attention-smollm2.md"
       python3 tools/attention_costs.py --heads 32 --kv-heads 8 --head-dim 128 --queries 16 64 --keys 256 1024 4096 \
         | tee "$RESULTS/attention-qwen3-8b.md" ;;
+    trees-long)
+      model=$(mlx-dflash models fetch smollm2-135m --dtype float32 | tail -1)
+      mlx-dflash bench --model "$model" --draft "$DRAFT" "${PROMPT_ARGS[@]}" --num-prompts "$NUM_PROMPTS" --lengths $LENGTHS \
+        --tree-budgets 64 --out "$RESULTS/trees-long" | tee "$RESULTS/trees-long.md"
+      python3 tools/policy_cycles.py "$RESULTS/trees-long/results.json" | tee "$RESULTS/trees-long-policy.md" ;;
     joins)
       model=$(mlx-dflash models fetch smollm2-135m --dtype bfloat16 | tail -1)
       for run in 1 2 3; do
@@ -130,6 +138,6 @@ for part in "${PARTS[@]}"; do
             --join-behind $way | tee "$RESULTS/joins-$way-$run.txt"
         done
       done ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, serve-rounds, stream-interval, switch-interval, attention, joins)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, serve-rounds, stream-interval, switch-interval, attention, trees-long, joins)" >&2; exit 2 ;;
   esac
 done
