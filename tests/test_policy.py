@@ -107,7 +107,7 @@ def test_a_stale_plain_cost_is_timed_again_after_a_text_plain_decoding_won():
     PROBE_MAX cycles between probes); re-times have their own, so they still come."""
     policy = BlockPolicy(16, tree_budgets=())
     useless = drive(policy, lambda b: 1, lambda b: 2.0 if b > 1 else 1.0, 600)
-    assert useless[-100:].count(1) > 95 and policy.probe_every == PROBE_MAX
+    assert useless[-100:].count(1) > 95 and policy.probes.every == PROBE_MAX
     policy.start_text()
     chosen = run_stale_plain_cost_text(policy)
     assert chosen[-200:].count(1) > 0.9 * 200, chosen[-200:].count(1)
@@ -227,9 +227,9 @@ def test_a_shared_policy_keeps_its_costs_and_starts_each_text_afresh():
     # comes true (a fresh policy would time plain decoding first)
     assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10) == ["f"] + [16] * 9
     assert drive(BlockPolicy(16, tree_budgets=()), lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 10)[WARMUP_CYCLES] == 1
-    policy.probe_every = 8 * PROBE_START
+    policy.probes.every = 8 * PROBE_START
     policy.start_text()  # after a text where blocks won: a full block first and probes as often as at first
-    assert policy.probe_every == PROBE_START
+    assert policy.probes.every == PROBE_START
     assert drive(policy, lambda b: b, lambda b: 2.0 if b == 16 else 1.0, 3) == [16] * 3
 
 
@@ -240,7 +240,7 @@ def test_a_shared_policy_starts_a_text_with_a_forecast_and_keeps_its_probe_back_
     useless, cost = (lambda b: 1), (lambda b: 2.0 if b == 16 else 1.0)
     policy = BlockPolicy(16, tree_budgets=())
     drive(policy, useless, cost, 300)
-    assert policy.probe_every > PROBE_START
+    assert policy.probes.every > PROBE_START
     policy.start_text()
     shared = drive(policy, useless, cost, 100)
     fresh = drive(BlockPolicy(16, tree_budgets=()), useless, cost, 100)
@@ -373,7 +373,7 @@ def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir, m
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "policy-forecast", "qwen3", "forecast", 40)
     policy = BlockPolicy(16, tree_budgets=(), slot_decay=1.0)  # (what is counted, without the fading)
     policy.seconds = {size: 1.0 if size == 1 else 100.0 for size in policy.sizes}  # plain decoding wins
-    policy.probe_every = PROBE_MAX  # only the text's first forecast
+    policy.probes.every = PROBE_MAX  # only the text's first forecast
     policy.cycles = 1  # as after a text where plain decoding won (generate starts the text)
     proposer = ReplayProposer(prompt + reference, 16, [5], VOCAB_SIZE)
     result = generate(model, tokenizer, prompt, proposer, max_tokens=30, adaptive=policy)
@@ -382,7 +382,7 @@ def test_a_forecast_in_generation_measures_what_a_block_would_accept(tiny_dir, m
     assert policy.slot_checked[1:8] == [1] * 6 + [0] and policy.slot_accepted[1:7] == [1] * 5 + [0]
     # blocks of up to 4 from a 16-token draft: the forecast guesses the policy's 3 slots only
     policy = BlockPolicy(4, tree_budgets=(), slot_decay=1.0)
-    policy.seconds, policy.probe_every, policy.cycles = {1: 1.0, 2: 100.0, 4: 100.0}, PROBE_MAX, 1
+    policy.seconds, policy.probes.every, policy.cycles = {1: 1.0, 2: 100.0, 4: 100.0}, PROBE_MAX, 1
     proposer = ReplayProposer(prompt + reference, 16, [None], VOCAB_SIZE)
     result = generate(model, tokenizer, prompt, proposer, max_tokens=30, block_size=4, adaptive=policy)
     assert result.tokens == reference[:30] and policy.slot_checked[1:4] == [1, 1, 1]
@@ -444,6 +444,30 @@ def test_dear_trees_are_probed_rarely():
     policy = BlockPolicy(16, tree_budgets=(32,))
     chosen = drive_trees(policy, 6, lambda s: 7, lambda s: 2.0 if s == 33 else 1.0, 300)
     assert chosen[100:].count(16) > 0.95 * 200 and 0 < chosen.count(33) < 20
+
+
+def test_tree_probes_back_off_across_texts():
+    """Whether trees pay is the machine's and the pair's: where they lose, a policy serving many
+    short texts probes them less and less often, not once in every text."""
+    policy = BlockPolicy(16, tree_budgets=(32,))
+    trees = []
+    for _ in range(40):
+        policy.start_text()
+        chosen = drive_trees(policy, 6, lambda s: 7, lambda s: 2.0 if s == 33 else 1.0, 30)
+        trees.append(chosen.count(33))
+    assert sum(trees[:3]) >= 2 and sum(trees[20:]) <= 6, trees
+    assert policy.tree_probes.every == PROBE_MAX
+
+
+def test_a_text_that_turns_predictable_leaves_trees_for_chains():
+    """Trees win on a hard stretch (7 tokens a 1.5 s tree, against 4 a 1 s chain); then the text
+    loops: a chain commits its whole block (16) and a tree only 13. Tree cycles say nothing of
+    the chain's acceptance: without probes of the full block the policy stayed on trees."""
+    policy = BlockPolicy(16, tree_budgets=(64,))
+    cost = lambda s: 1.5 if s == 65 else 1.0  # noqa: E731
+    hard = drive_trees(policy, 4, lambda s: 7, cost, 200)
+    looping = drive_trees(policy, 16, lambda s: 13, cost, 200)
+    assert hard[100:].count(65) > 90 and looping[100:].count(16) > 90, (hard[100:], looping[100:])
 
 
 def test_no_trees_where_they_cannot_run_or_do_not_fit():

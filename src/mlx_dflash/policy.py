@@ -33,6 +33,12 @@ pay (their back-off), after a text where plain decoding won; the acceptance stat
 to one text, start afresh with it and fade as it goes (SLOT_DECAY).
 Asked to (``trees``), the policy also weighs trees of drafts (``tree.py``) as sizes past the block:
 a tree of B nodes verifies 1 + B tokens, and its expected tokens are what its cycles committed.
+Tree probes back off on their own count, carried over texts: whether trees pay is the machine's
+and the pair's, and a tree's first cycle in a text is dear (a new compiled shape), so on a GPU
+where trees lose, one probe in every short text cost a tenth of the chains' speed. While a tree
+is best, the full block is probed now and then: a tree's cycles leave the chain's acceptance as
+it was when trees took over, and a text that then loops (whole blocks accepted, far cheaper
+than a tree's cycle) otherwise stayed on trees at half the chain's speed.
 A new text starts with full blocks (two for a size not timed yet: a size's first cycle is not
 timed), or, when plain decoding won the previous text, with a forecast: a useless draft then
 costs one draft pass per text instead of a verified block.
@@ -107,6 +113,24 @@ def check_tree_budget(budget: int, max_block: int, fixed: bool = False) -> None:
                           f"the block size; smaller trees run with fixed blocks: --no-adaptive), got {budget}")
 
 
+class Backoff:
+    """When to probe again: every ``every`` cycles, doubled after each probe that lost (up to
+    PROBE_MAX), back to PROBE_START after one that won."""
+
+    def __init__(self) -> None:
+        self.every, self.since = PROBE_START, 0
+
+    def tick(self, free: bool = True) -> bool:
+        """One more cycle; True (and a fresh count) when a probe is due and ``free`` (nothing under way)."""
+        self.since += 1
+        due = free and self.since >= self.every
+        self.since = 0 if due else self.since
+        return due
+
+    def settle(self, won: bool) -> None:
+        self.every = PROBE_START if won else min(2 * self.every, PROBE_MAX)
+
+
 class BlockPolicy:
     def __init__(self, max_block: int, slot_decay: float = SLOT_DECAY, tree_budgets: Sequence[int] = ()):
         self.slot_decay = slot_decay  # how fast acceptance statistics fade (1.0: never)
@@ -121,7 +145,9 @@ class BlockPolicy:
         # (block, acceptance, seconds, forecast) of each recorded cycle, when a caller sets a list
         # here (the benchmark, per generation: what the policy saw, to explain what it chose)
         self.history: list[tuple[int, float, float, bool]] | None = None  # (a batch: its rows' mean acceptance)
-        self.probe_every = PROBE_START
+        self.probes = Backoff()  # probes of the next chain size up
+        self.tree_probes = Backoff()  # of the next tree up: kept across texts
+        self.chain_probes = Backoff()  # of the full block while a tree is best
         self.wants_forecast = False  # set by ``choose``: draft a forecast beside this plain step
         self.start_text()
 
@@ -130,7 +156,7 @@ class BlockPolicy:
         whether plain decoding won the latest text, and if it did, the probes' back-off."""
         self.plain_won = getattr(self, "cycles", 0) > 0 and 1 in self.seconds and self.best(self.sizes) == 1
         if not self.plain_won:  # a draft that won lands on sizes it may outgrow: probe as often as at first
-            self.probe_every = PROBE_START
+            self.probes.every = PROBE_START
         self.previous_block: int | None = None  # the latest cycle's size (a text's first cycle is not timed)
         self.timed_previous: int | None = None  # the latest cycle's size if that cycle was timed
         self.slot_checked = [0] * self.max_block  # slot k: cycles whose slots 1..k-1 were all accepted
@@ -138,13 +164,14 @@ class BlockPolicy:
         self.tree_tokens: dict[int, tuple[float, float]] = {}  # tree size -> (tokens committed, cycles), fading
         self.cycles = 0  # cycles recorded
         self.chosen = 0  # sizes chosen: one ahead of ``cycles`` when the engine queues the next cycle early
-        self.since_probe = 0
-        self.probing: int | None = None  # the size being probed: one above the best, or 1 (a re-time)
+        self.probes.since = 0
+        self.probing: int | None = None  # the size being probed: one above the best, 1 (a re-time), the block
+        self.probe_from = 0  # the best size when the probe began
+        self.probe_clock = self.probes  # the back-off the probe's outcome settles
         self.repeats = 0  # cycles of the probed size still to run after the probe's first
         # Re-times back off on their own, per text: the probes' back-off can carry over from a
         # text where plain decoding won, and kept a re-time from ever coming in the next one.
-        self.since_retime = 0
-        self.retime_every = PROBE_START
+        self.retimes = Backoff()
         self.forecasting = False  # a forecast was asked for and is not settled yet
         self.forecast_is_probe = False
         self.guess: list[int] | None = None  # the forecast's tokens, once drafted
@@ -234,20 +261,24 @@ class BlockPolicy:
         if untimed:
             return untimed[0]
         if best > 1 and RETIME_MARGIN * self.rate(1) > best_rate:  # plain decoding may be cheaper now
-            self.since_retime += 1
-            if self.since_retime >= self.retime_every and not self.forecasting:
-                self.since_retime, self.repeats, self.probing = 0, RETIME_STEPS - 1, 1
-                return 1
+            if self.retimes.tick(free=not self.forecasting):
+                return self._probe(1, RETIME_STEPS, self.retimes, best)
+        if best > self.max_block and self.chain_probes.tick(free=not self.forecasting):
+            return self._probe(self.max_block, PROBE_STEPS, self.chain_probes, best)
         if best == sizes[-1]:
             return best
-        self.since_probe += 1
-        if self.since_probe >= self.probe_every and not self.forecasting:  # look one size up now and then
-            self.since_probe = 0
+        up = sizes[sizes.index(best) + 1]
+        probes = self.tree_probes if up > self.max_block else self.probes
+        if probes.tick(free=not self.forecasting):  # look one size up now and then
             if best == 1:
                 return self._forecast(probe=True)
-            self.probing, self.repeats = sizes[sizes.index(best) + 1], PROBE_STEPS - 1
-            return self.probing
+            return self._probe(up, PROBE_STEPS, probes, best)
         return best
+
+    def _probe(self, size: int, steps: int, clock: Backoff, best: int) -> int:
+        """Run ``size`` for ``steps`` cycles (the first not timed); its outcome settles ``clock``."""
+        self.probing, self.repeats, self.probe_clock, self.probe_from = size, steps - 1, clock, best
+        return size
 
     def _forecast(self, probe: bool) -> int:
         self.wants_forecast = self.forecasting = True
@@ -279,7 +310,7 @@ class BlockPolicy:
         self.forecasting, self.guess = False, None
         if self.forecast_is_probe:  # like a probe's: it lost, look less often; it won, blocks win
             won = self.best(self.sizes) > 1
-            self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
+            self.probes.settle(won)
             self.forecast_is_probe = False
 
     def record_cycle(self, block: int, committed: list[int], seconds: Optional[float],
@@ -352,13 +383,8 @@ class BlockPolicy:
             self.seconds[block] = seconds if fresh else 0.8 * old + 0.2 * min(seconds, SPIKE_CAP * old)
         self.timed_previous = block if timed else None
         if block == self.probing and steady:  # a probe lost: look less often; it won: it is the new best
-            self.probing = None
-            if block > 1:
-                won = self.best(self.sizes) >= block
-                self.probe_every = PROBE_START if won else min(2 * self.probe_every, PROBE_MAX)
-            else:  # a re-time: the same, on its own schedule
-                won = self.best(self.sizes) == 1
-                self.retime_every = PROBE_START if won else min(2 * self.retime_every, PROBE_MAX)
+            self.probing, best = None, self.best(self.sizes)
+            self.probe_clock.settle(best <= block if block < self.probe_from else best >= block)
 
 
 class CycleClock:
