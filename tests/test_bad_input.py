@@ -105,6 +105,21 @@ def test_a_model_without_a_shipped_draft_fails_before_any_download(pair, home, c
 
 
 @pytest.mark.parametrize("flags, words", [
+    (["--tree-budgets", "16", "-3"], "a tree budget must be in 1..1024, got -3"),
+    (["--lengths", "0"], "--lengths must all be at least 1"),
+])
+def test_bad_bench_arguments_fail_before_loading(home, capsys, flags, words):
+    assert words in one_error_line(capsys, main(["bench", "--model", "/no/such/model", *flags]))
+    assert not home.exists()
+
+
+def test_a_block_larger_than_the_drafts_fails_before_benchmarking(pair, capsys):
+    model, draft = pair
+    code = main(["bench", "--model", model, "--draft", draft, "--block-size", "9", "--prompts", "/no/such/prompts.jsonl"])
+    assert "block size must be in 1..8 (the draft's), got 9" in one_error_line(capsys, code)
+
+
+@pytest.mark.parametrize("flags, words", [
     (["--eval-every", "-1"], "--eval-every must be at least 0"),
     (["--eval-prompts", "-3"], "--eval-prompts must be at least 0"),
     (["--save-every", "-1"], "--save-every must be at least 0"),

@@ -37,7 +37,7 @@ from .draft import DFlashDraft
 from .engine import prefill
 from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
-from .policy import BlockPolicy, CycleClock
+from .policy import BlockPolicy, CycleClock, check_block_size
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, draft_tokens, first_token, verify
 from .target import Target, check_compatible
@@ -118,8 +118,7 @@ class BatchDecoder:
         self.target = Target(model, draft.config.target_layer_ids, options)
         self.draft = draft
         self.block_size = block_size or draft.block_size
-        if not 1 <= self.block_size <= draft.block_size:
-            raise DFlashError(f"block size must be in 1..{draft.block_size} (the draft's), got {self.block_size}")
+        check_block_size(self.block_size, draft.block_size)
         self.mask_id = draft.config.mask_token_id
         vocab = draft.config.draft_vocab  # (greedy drafts pick among it: a smaller head)
         self.draft_vocab = mx.array(vocab, dtype=mx.uint32) if vocab else None

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Union
 
 from .errors import DFlashError
-from .policy import TREE_BUDGETS, fixed_tree_budget
+from .policy import TREE_BUDGETS, check_block_size, check_tree_budget, fixed_tree_budget
 from .prefix_cache import DEFAULT_SIZE, parse_bytes
 from .scheduler import DEFAULT_STREAM_INTERVAL
 
@@ -453,6 +453,8 @@ def _run_bench(args) -> None:
         raise DFlashError("--draft-vocab takes a positive count, in scale mode only (a real draft brings its own)")
     if min(args.lengths) < 1:
         raise DFlashError("--lengths must all be at least 1")
+    for budget in args.tree_budgets or ():
+        check_tree_budget(budget, 0, fixed=True)  # (the policy's trees: those of at least a block)
     cfg = BenchConfig(lengths=args.lengths, repeats=args.repeats, warmup=not args.no_warmup,
                       no_eos=args.no_eos or bool(args.scale), block_size=args.block_size,
                       num_draft_tokens=sorted(set(args.num_draft_tokens)), baselines_first=args.baselines_first,
@@ -493,6 +495,8 @@ def _run_bench(args) -> None:
         model, tokenizer, draft = _replay_pair(args, group)
     else:
         model, tokenizer, draft, _ = _load_pair(args)
+    if args.block_size is not None:  # (before any run: the first DFlash run would fail after mlx-lm's)
+        check_block_size(args.block_size, draft.block_size)
     ar_draft = load_target(args.ar_draft)[0] if args.ar_draft else None
     texts = read_prompts(args.prompts) if args.prompts else humaneval_prompts()
     texts = texts[: args.num_prompts]
@@ -583,8 +587,8 @@ def _run_serve(args) -> None:
         return
     with _bound_socket(args.host, args.port) as sock:  # (checked before the model loads)
         model, tokenizer, draft, model_name = _load_pair(args)
-        if args.block_size is not None and args.block_size > draft.block_size:
-            raise DFlashError(f"--block-size must be at most the draft's {draft.block_size}, got {args.block_size}")
+        if args.block_size is not None:
+            check_block_size(args.block_size, draft.block_size)
         model_context = context_length(model) or 4096
         context = min(args.context_limit or model_context, model_context)
         thread = MLXThread()  # (the batch decoder built and warmed where the requests will run)

@@ -17,7 +17,7 @@ from .distributed import check_agreement
 from .engine import ProgressCallback, decode_cycles
 from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
-from .policy import BlockPolicy, check_tree_budget, fixed_tree_budget, tree_budgets
+from .policy import BlockPolicy, check_block_size, check_tree_budget, fixed_tree_budget, tree_budgets
 from .prefix_cache import PrefixCache
 from .proposer import DFlashProposer, Proposer
 from .sampling import SamplingParams
@@ -213,8 +213,7 @@ def stream_generate(
     """
     target, proposer = make_proposer(model, draft, options)
     block_size = proposer.block_size if block_size is None else block_size
-    if not 1 <= block_size <= proposer.block_size:
-        raise DFlashError(f"block size must be in 1..{proposer.block_size} (the draft's), got {block_size}")
+    check_block_size(block_size, proposer.block_size)
     if max_tokens < 1:
         raise DFlashError(f"max_tokens must be at least 1, got {max_tokens}")
     prompt = encode_prompt(tokenizer, prompt, chat)

@@ -103,6 +103,12 @@ def fixed_tree_budget(trees: Union[bool, int]) -> Optional[int]:
     return None if isinstance(trees, bool) else trees
 
 
+def check_block_size(block_size: int, draft_block: int) -> None:
+    """A block drafts at most the draft's own block."""
+    if not 1 <= block_size <= draft_block:
+        raise DFlashError(f"block size must be in 1..{draft_block} (the draft's), got {block_size}")
+
+
 def check_tree_budget(budget: int, max_block: int, fixed: bool = False) -> None:
     """A policy weighs trees of at least a block's nodes (sizes past the block); fixed blocks
     verify trees of any budget."""
