@@ -144,29 +144,22 @@ def test_serve_benchmark(pair, tmp_path):
     # (the model thread's busy share: our servers report it in /health, mlx-lm's does not)
     assert all(c[6].endswith("%") and 0 < float(c[6][:-1]) <= 100 for c in cells if c[0].startswith("mlx-dflash"))
     assert all(c[6] == "-" for c in cells if c[0].startswith("mlx_lm"))
+    # (without --switch-interval our servers run with Python's own: their /health says which)
+    assert {run["switch_interval_s"] for label, runs in figures.items() if label.startswith("mlx-dflash")
+            for run in runs} == {sys.getswitchinterval()}
 
 
-def test_serve_benchmark_sets_our_servers_switch_interval(pair, tmp_path):
-    """``--switch-interval S``: our server runs with that interpreter switch interval (its
-    ``/health`` says so), and without it with Python's own."""
-    model, draft = pair
-    intervals = []
-    for extra in (["--switch-interval", "0.0005"], []):
-        run_tool("serve.py", "--model", model, "--draft", draft, "--clients", "1", "--requests", "1", "--max-tokens", "4",
-                 "--port", str(free_port()), "--servers", "batched", "--json", str(tmp_path / "serve.json"), *extra,
-                 folder=BENCHMARKS)
-        (runs,) = json.loads((tmp_path / "serve.json").read_text()).values()
-        intervals.append(runs[0]["switch_interval_s"])
-    assert intervals == [0.0005, sys.getswitchinterval()]
-
-
-def test_serve_benchmark_takes_turns_over_rounds(pair):
+def test_serve_benchmark_takes_turns_over_rounds(pair, tmp_path):
     """``--rounds 2 --servers ...``: the chosen servers started twice, taking turns, with a
-    median per server and client count."""
+    median per server and client count; ``--switch-interval S``: our servers run with that
+    interpreter switch interval (their ``/health`` says so)."""
     model, draft = pair
     out = run_tool("serve.py", "--model", model, "--draft", draft, "--clients", "1", "--requests", "1",
                    "--max-tokens", "4", "--port", str(free_port()), "--servers", "batched", "one-at-a-time",
-                   "--rounds", "2", folder=BENCHMARKS)
+                   "--rounds", "2", "--switch-interval", "0.0005", "--json", str(tmp_path / "serve.json"),
+                   folder=BENCHMARKS)
+    figures = json.loads((tmp_path / "serve.json").read_text())
+    assert {run["switch_interval_s"] for runs in figures.values() for run in runs} == {0.0005}
     rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| mlx")]
     assert rows == ["| mlx-dflash, batched", "| mlx-dflash, one at a time"] * 2 + [
         "| mlx-dflash, batched", "| mlx-dflash, one at a time"]
