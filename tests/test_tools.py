@@ -94,6 +94,11 @@ def test_policy_cycles(tmp_path):
     assert "| tree of 64 | 2 | 1 | 13 | 6.50 | 47.8% | 406.2 | 12.00 | 20.00 |" in out
     assert "| chain of 16 | 3 | 2 | 14 | 4.67 | 46.3% | 451.6 | 10.00 | 10.50 |" in out
     assert "| plain step | 1 | 1 | 1 | 1.00 | 6.0% | 250.0 | - | 4.00 |" in out
+    cycles.insert(2, [16, 3, None, False])  # (a cycle not timed: counted, but not in the time or tok/s)
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    out = run_tool("policy_cycles.py", str(tmp_path / "results.json"))
+    assert out.startswith("dflash_adaptive: 1 text, 7 cycles, 31 tokens in 0.07 s (417.9 tok/s)")
+    assert "| chain of 16 | 4 | 2 | 17 | 4.25 | 46.3% | 451.6 | 10.00 | 10.50 |" in out
     del results["runs"][1]
     (tmp_path / "results.json").write_text(json.dumps(results))
     for path in (tmp_path / "results.json", tmp_path / "missing.json"):

@@ -40,6 +40,7 @@ def median_ms(seconds: list[float]) -> str:
 def report(method: str, runs: list[dict], tree_budgets: list[int]) -> None:
     cycles = defaultdict(int)
     tokens = defaultdict(int)
+    timed_tokens = defaultdict(int)  # (tokens a second: over the timed cycles only)
     spent = defaultdict(float)
     steady, switch = defaultdict(list), defaultdict(list)
     for run in runs:
@@ -47,19 +48,21 @@ def report(method: str, runs: list[dict], tree_budgets: list[int]) -> None:
         for size, committed, seconds, _forecast in run["policy_cycles"]:
             cycles[size] += 1
             tokens[size] += committed
-            spent[size] += seconds
-            (steady if size == previous else switch)[size].append(seconds)
+            if seconds is not None:  # (None: not timed, the consumer held most of its window)
+                timed_tokens[size] += committed
+                spent[size] += seconds
+                (steady if size == previous else switch)[size].append(seconds)
             previous = size
     total_tokens, total_seconds = sum(tokens.values()), sum(spent.values())
     print(f"{method}: {len(runs)} {'text' if len(runs) == 1 else 'texts'}, {sum(cycles.values())} cycles, {total_tokens} tokens in "
-          f"{total_seconds:.2f} s ({total_tokens / total_seconds:.1f} tok/s)")
+          f"{total_seconds:.2f} s ({sum(timed_tokens.values()) / total_seconds:.1f} tok/s)")
     print("| size | cycles | after another size | tokens | tokens a cycle | share of the time | tok/s "
           "| steady cycle ms (median) | switch ms (median) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for size in sorted(cycles):
         print(f"| {size_name(size, tree_budgets)} | {cycles[size]} | {len(switch[size])} | {tokens[size]} "
               f"| {tokens[size] / cycles[size]:.2f} | {spent[size] / total_seconds:.1%} "
-              f"| {tokens[size] / spent[size]:.1f} | {median_ms(steady[size])} | {median_ms(switch[size])} |")
+              f"| {timed_tokens[size] / spent[size]:.1f} | {median_ms(steady[size])} | {median_ms(switch[size])} |")
     print()
 
 
