@@ -126,6 +126,7 @@ def test_a_block_larger_than_the_drafts_fails_before_benchmarking(pair, capsys):
     (["--time-budget", "-5"], "--time-budget must be a positive number"),
     (["--time-budget", "nan"], "--time-budget must be a positive number"),
     (["--kernel-lr-scale", "2"], "--kernel-lr-scale must be in"),
+    (["--selector-lr-scale", "nan"], "--selector-lr-scale must be in"),
     (["--seed", "-1"], "--seed must be in 0.."),
     (["--intermediate-size", "0"], "--intermediate-size must be at least 1"),
 ])

@@ -5,7 +5,7 @@ equal to mlx-lm's on every family; sliding-window layers honour ``is_causal``.""
 import json
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 import numpy as np
 import pytest
 from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, VOCAB_SIZE, tiny_pair
@@ -352,6 +352,25 @@ def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
     projections = [k for k in weights if "kernel_projection" in k]
     assert projections and all(mx.abs(weights[k]).max().item() == 0 for k in projections)
     assert any(not mx.array_equal(weights[k], start[k]).item() for k in start if k in weights)
+
+
+@pytest.mark.parametrize("kernel, selector", [(0.1, 10.0), (1.0, 1.0)])
+def test_kernel_projections_and_selector_learn_at_their_scales_of_lr(qwen3_pair, kernel, selector):
+    """One AdamW step from the identity start (zero kernel projections and successor codebook,
+    equal gradients everywhere): each part moves by its scale times the rate, the rest by the rate."""
+    from mlx_dflash.train import TrainConfig, make_optimizer
+
+    model = qwen3_pair[0]
+    draft = create_random_draft(_config(model), num_layers=1, block_size=8, mask_token_id=MASK_ID, dflash2=V2)
+    cfg = TrainConfig(arch="dflash2", kernel_lr_scale=kernel, selector_lr_scale=selector)
+    optimizer = make_optimizer(cfg, lambda step: mx.array(1e-3))
+    grads = tree_map(mx.ones_like, draft.trainable_parameters())
+    optimizer.update(draft, grads)
+    moved = dict(tree_flatten(draft.parameters()))
+    step = lambda name: mx.abs(moved[name]).max().item()  # noqa: E731 (each started at zero)
+    rate = 1e-3 * 0.1 / 0.001**0.5  # (Adam's first step without bias correction: (1 - b1) / sqrt(1 - b2))
+    assert step("layers.0.mlp_conv.kernel_projection.weight") == pytest.approx(kernel * rate, rel=1e-3)
+    assert step("candidate_selector.successor_codebook.weight") == pytest.approx(selector * rate, rel=1e-3)
 
 
 @pytest.mark.parametrize("rank", [8, 64])

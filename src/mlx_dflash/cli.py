@@ -347,6 +347,9 @@ def _add_train(sub) -> None:
     p.add_argument("--kernel-lr-scale", type=float, default=d.kernel_lr_scale,
                    help="dflash2: the convolutions' kernel projections learn at this fraction of --lr "
                         "(below 1 keeps a fine-tune from a v1 draft close to its start)")
+    p.add_argument("--selector-lr-scale", type=float, default=d.selector_lr_scale,
+                   help="dflash2: the candidate selector learns at this multiple of --lr (above 1 lets a "
+                        "short fine-tune at a small --lr train it from its zero start)")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="dtype of the training passes (weights stay float32); default: the target's")
     p.set_defaults(func=_run_train)
@@ -379,6 +382,8 @@ def _run_train(args) -> None:
         raise DFlashError(f"--selector-weight must be a non-negative number, got {args.selector_weight}")
     if not 0 <= args.kernel_lr_scale <= 1:
         raise DFlashError(f"--kernel-lr-scale must be in [0, 1], got {args.kernel_lr_scale}")
+    if not 0 <= args.selector_lr_scale <= 1000:
+        raise DFlashError(f"--selector-lr-scale must be in [0, 1000], got {args.selector_lr_scale}")
     cfg = TrainConfig(
         layers=args.layers, intermediate_size=args.intermediate_size, block_size=args.block_size,
         target_layer_ids=args.target_layers,
@@ -387,6 +392,7 @@ def _run_train(args) -> None:
         eval_prompts=args.eval_prompts, held_out_from=args.held_out_from, save_every=args.save_every,
         seed=args.seed, time_budget=args.time_budget, draft_vocab=args.draft_vocab, compute_dtype=args.compute_dtype,
         arch=args.arch, selector_weight=args.selector_weight, kernel_lr_scale=args.kernel_lr_scale,
+        selector_lr_scale=args.selector_lr_scale,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume, init=args.init))

@@ -69,6 +69,7 @@ class TrainConfig:
     arch: str = "dflash"  # or "dflash2": convolutions and a candidate selector (a fine-tune of a v1 draft with init)
     selector_weight: float = 1.0  # DFlash2: the selector loss's weight beside the block loss
     kernel_lr_scale: float = 1.0  # DFlash2: the convolutions' kernel projections learn at this fraction of lr
+    selector_lr_scale: float = 1.0  # DFlash2: the candidate selector learns at this multiple of lr
     history: list = field(default_factory=list)  # filled while training; saved with checkpoints
 
     def loss_gamma(self) -> float:
@@ -302,15 +303,25 @@ def check_in_sync(draft: DFlashDraft, world: mx.distributed.Group) -> None:
 
 
 def make_optimizer(cfg: TrainConfig, schedule: Callable[[mx.array], mx.array]) -> optim.Optimizer:
-    """AdamW on ``schedule``; a DFlash2 draft's kernel projections on ``kernel_lr_scale`` times it.
+    """AdamW on ``schedule``; a DFlash2 draft's kernel projections on ``kernel_lr_scale`` times it
+    and its candidate selector on ``selector_lr_scale`` times it.
     Started from zero (the identity of a v1 draft), Adam's first steps move all of a projection's
-    weights at once, which throws a trained draft's proposals off before the rest can adapt."""
+    weights at once, which throws a trained draft's proposals off before the rest can adapt. The
+    selector's score is a product of three small factors (a zero successor codebook among them):
+    at a fine-tune's learning rate it barely leaves zero in a short run."""
     adamw = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
-    if cfg.arch != "dflash2" or cfg.kernel_lr_scale == 1.0:
+    if cfg.arch != "dflash2":
         return adamw
-    scale = cfg.kernel_lr_scale
-    slow = optim.AdamW(learning_rate=lambda step: scale * schedule(step), weight_decay=cfg.weight_decay)
-    return optim.MultiOptimizer([slow, adamw], [lambda path, _: "kernel_projection" in path])
+    groups = [(cfg.kernel_lr_scale, "kernel_projection"), (cfg.selector_lr_scale, "candidate_selector")]
+    groups = [(scale, part) for scale, part in groups if scale != 1.0]
+    if not groups:
+        return adamw
+
+    def scaled(scale: float) -> optim.Optimizer:
+        return optim.AdamW(learning_rate=lambda step: scale * schedule(step), weight_decay=cfg.weight_decay)
+
+    return optim.MultiOptimizer([scaled(scale) for scale, _ in groups] + [adamw],
+                                [lambda path, _, part=part: part in path for _, part in groups])
 
 
 def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: TrainConfig, resume: bool = False,
