@@ -308,6 +308,7 @@ def build_dataset(model, tokenizer, prompts: list[str], out_dir: str | Path, max
     todo = [(i, encode_chat(tokenizer, p)) for i, p in enumerate(prompts) if i not in done]
     todo.sort(key=lambda item: len(item[1]))  # similar lengths share a batch: little padding
     eos_ids = set(tokenizer.eos_token_ids)
+    written = 0  # response tokens written by this run
     with open(path, "a") as sink, tqdm(total=len(prompts), initial=len(prompts) - len(todo),
                                          desc="responses", unit="prompt") as bar:
         for batch in _batches(todo, batch_size):  # each batch is written before the next starts
@@ -315,6 +316,7 @@ def build_dataset(model, tokenizer, prompts: list[str], out_dir: str | Path, max
             for (index, prompt_ids), response in zip(batch, responses):
                 sink.write(json.dumps({"id": index, "prompt_len": len(prompt_ids), "tokens": prompt_ids + response}) + "\n")
             sink.flush()
+            written += sum(len(r) for r in responses)
             bar.update(len(batch))
-            bar.set_postfix(tokens=sum(len(r) for r in responses))
+            bar.set_postfix(tokens=written)
     return out
