@@ -353,6 +353,16 @@ def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
     assert projections and all(mx.abs(weights[k]).max().item() == 0 for k in projections)
     assert any(not mx.array_equal(weights[k], start[k]).item() for k in start if k in weights)
 
+    # A DFlash2 --init draft trains as one (its selector's rate applies) without --arch; a v1 one
+    # refuses the DFlash2 rates rather than ignoring them.
+    again = TrainConfig(**base, steps=1, selector_lr_scale=10.0)
+    train(model, tokenizer, [str(data)], str(tmp_path / "again"), again, init=str(v2_dir))
+    assert again.arch == "dflash2"
+    with pytest.raises(DFlashError, match="set a DFlash2 draft's rates: train one with --arch dflash2"):
+        train(model, tokenizer, [str(data)], str(tmp_path / "v1-scaled"), TrainConfig(**base, steps=1, selector_lr_scale=10.0),
+              init=str(v1_dir))
+    assert not (tmp_path / "v1-scaled").exists()
+
 
 @pytest.mark.parametrize("kernel, selector", [(0.1, 10.0), (1.0, 1.0)])
 def test_kernel_projections_and_selector_learn_at_their_scales_of_lr(qwen3_pair, kernel, selector):

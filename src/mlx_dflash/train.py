@@ -373,6 +373,10 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         )
         draft.config.context_window = cfg.max_len  # it never sees more context than this in training
         draft.set_dtype(mx.float32)
+    cfg.arch = "dflash" if draft.config.dflash2 is None else "dflash2"  # (an --init DFlash2 draft stays one)
+    if cfg.arch == "dflash" and (cfg.kernel_lr_scale != 1.0 or cfg.selector_lr_scale != 1.0):
+        raise DFlashError("--kernel-lr-scale and --selector-lr-scale set a DFlash2 draft's rates: "
+                          "train one with --arch dflash2")
     if cfg.draft_vocab and not start_step:
         draft.config.draft_vocab = frequent_tokens(records, cfg.draft_vocab)
     target = Target(target_model, draft.config.target_layer_ids)
