@@ -50,6 +50,9 @@ def test_bench_runs_and_writes_everything(tiny_dir, tmp_path):
                 assert len(entry["acceptance_histogram"]) == 16
                 assert len(entry["acceptance_by_position"]) == 15
     assert summary["dflash_replay@20"]["mean_acceptance_length"] > summary["dflash@20"]["mean_acceptance_length"]
+    for run in saved["runs"]:  # the gaps between responses: one fewer than the responses (a token, a cycle)
+        responses = len(run["acceptance_lengths"]) + 1 if run["method"].startswith("dflash") else run["length"]
+        assert len(run["gaps"]) == responses - 1 and all(gap > 0 for gap in run["gaps"]), run["method"]
     for png in ("tokens_per_sec.png", "acceptance.png"):
         assert (tmp_path / png).stat().st_size > 0
     assert "| dflash | 12 |" in markdown_table(summary)

@@ -43,6 +43,7 @@ class Run:
     decode_s: float
     peak_memory_gb: float = 0.0  # MLX's peak memory during the generation
     acceptance_lengths: list[int] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # seconds from each response to the next: mlx-lm's steps, our cycles
     policy_cycles: list[tuple[int, int, float, bool]] = field(default_factory=list)  # adaptive: BlockPolicy.history
 
 
@@ -55,19 +56,20 @@ def humaneval_prompts() -> list[str]:
 
 
 def _timed(stream: Iterator, token_of: Callable, accept_of: Callable = lambda r: None) -> tuple:
-    """(tokens, time to first token, decode seconds, peak memory GB, acceptance lengths)."""
-    tokens, acceptance = [], []
+    """(tokens, time to first token, decode seconds, peak memory GB, acceptance lengths, the gaps
+    between consecutive responses)."""
+    tokens, acceptance, marks = [], [], []
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    first = None
     for response in stream:
-        if first is None:
-            first = time.perf_counter()
+        marks.append(time.perf_counter())
         tokens += token_of(response)
         if accept_of(response) is not None:
             acceptance.append(accept_of(response))
     end = time.perf_counter()
-    return tokens, (first or end) - tic, end - (first or end), mx.get_peak_memory() / 1e9, acceptance
+    first = marks[0] if marks else end
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    return tokens, first - tic, end - first, mx.get_peak_memory() / 1e9, acceptance, gaps
 
 
 def run_mlx_lm(model, tokenizer, prompt: list[int], length: int, draft_model=None, num_draft_tokens: int = 3,
@@ -341,7 +343,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
 
     def baseline(job: tuple) -> Run:
         p, length, _ = job
-        return Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompts[p], length, sampling=cfg.sampling)[:4])
+        return Run("baseline", p, length, *run_mlx_lm(model, tokenizer, prompts[p], length, sampling=cfg.sampling))
 
     @contextmanager
     def full_length():  # a warm-up must run its full length
@@ -378,7 +380,7 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
             runs.append(base)
             for k in draft_counts:
                 runs.append(Run(f"mlx_lm_speculative_k{k}", p, length,
-                                *run_mlx_lm(model, tokenizer, prompt, length, ar_draft, k)[:4]))
+                                *run_mlx_lm(model, tokenizer, prompt, length, ar_draft, k)))
             for name, proposer in proposers.items():
                 if _is_factory(proposer):  # replay: built from this prompt's greedy reference
                     proposer = proposer(list(prompt) + base.tokens)

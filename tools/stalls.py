@@ -1,0 +1,73 @@
+"""Stalls in a benchmark's runs: responses that came far later than their text's usual pace.
+
+    mlx-dflash bench ... --out RESULTS
+    python tools/stalls.py RESULTS/results.json [--factor 2]
+
+`bench` keeps each run's ``gaps``: the seconds from each response to the next (a step of
+mlx-lm's, a cycle of ours). Per method: the gaps, their median, the stalls (gaps over
+``--factor`` times the median of their own text's gaps), the seconds the stalls took beyond that
+median, as a share of the method's decode time, and at which response of their text they came.
+A stall that every method meets alike (the machine busy elsewhere) costs no method its ratio; one
+that a method meets far more often (kernels built mid-text for a shape it alone runs, a policy
+reacting to a stall by switching sizes) is where that method loses time.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="a results.json that `mlx-dflash bench --out` wrote")
+    parser.add_argument("--factor", type=float, default=2.0, help="a stall: a gap over this many times its text's median")
+    args = parser.parse_args()
+    if not args.factor > 1:
+        sys.exit(fail(f"--factor must be above 1, got {args.factor}"))
+    return args
+
+
+def fail(message: str) -> int:
+    print(f"stalls: {message}", file=sys.stderr)
+    return 2
+
+
+def report(runs: list[dict], factor: float) -> None:
+    print("| method | texts | gaps | median gap ms | stalls | stall ms beyond the median | share of the decode time "
+          "| where (response of its text) |")
+    print("|---|---|---|---|---|---|---|---|")
+    by_method = defaultdict(list)
+    for run in runs:
+        by_method[run["method"]].append(run)
+    for method, texts in by_method.items():
+        gaps, where, beyond, decode = [], [], 0.0, 0.0
+        for run in texts:
+            decode += run["decode_s"]
+            usual = statistics.median(run["gaps"])
+            for i, gap in enumerate(run["gaps"]):
+                if gap > factor * usual:
+                    where.append(f"{run['prompt']}:{i + 1}")
+                    beyond += gap - usual
+            gaps += run["gaps"]
+        shown = " ".join(where[:12]) + (f" (+{len(where) - 12})" if len(where) > 12 else "")
+        print(f"| {method} | {len(texts)} | {len(gaps)} | {1000 * statistics.median(gaps):.2f} | {len(where)} "
+              f"| {1000 * beyond:.1f} | {beyond / decode:.1%} | {shown or '-'} |")
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        results = json.loads(Path(args.results).read_text())
+        runs = [run for run in results["runs"] if run.get("gaps")]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        sys.exit(fail(f"{args.results} is not a benchmark's results.json ({type(error).__name__}: {error})"))
+    if not runs:
+        sys.exit(fail("no run in this file kept the gaps between its responses (a results.json of an older bench?)"))
+    report(runs, args.factor)
+
+
+if __name__ == "__main__":
+    main()
