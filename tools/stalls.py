@@ -9,7 +9,8 @@ mlx-lm's, a cycle of ours). Per method: the gaps, their median, the stalls (gaps
 median, as a share of the method's decode time, and at which response of their text they came.
 A stall that every method meets alike (the machine busy elsewhere) costs no method its ratio; one
 that a method meets far more often (kernels built mid-text for a shape it alone runs, a policy
-reacting to a stall by switching sizes) is where that method loses time.
+reacting to a stall by switching sizes) is where that method loses time. (Where a cycle's cost
+grows with its block, as on a CPU, the adaptive policy's larger blocks count as stalls too.)
 """
 
 import argparse
