@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from launch import run_launch
 from tiny_models import free_port, tiny_pair_files
@@ -245,6 +246,39 @@ def test_draft_costs(pair):
     v1_ops, v2_ops = (int(row[5].rstrip(" |")) for row in rows[:2])
     assert 0 < v1_ops < v2_ops, out  # (the convolutions and the selector: more operations a draft)
     assert out.splitlines()[-1].endswith("every draft the same texts: True)")
+
+
+def test_draft_costs_with_the_selector_off(pair, tmp_path):
+    """A DFlash2 draft whose selector re-ranks, and the copy ``--selector-off`` adds: the copy
+    proposes what the v1 draft with the same weights proposes, and the original keeps its selector."""
+    from mlx_dflash import load_draft, save_draft
+    from mlx_dflash.draft import to_dflash2
+    from mlx_dflash.proposer import DFlashProposer
+    from mlx_dflash.target import Target, load_target
+
+    model_dir, draft_dir = pair
+    v1 = load_draft(draft_dir)
+    v2 = to_dflash2(v1)
+    selector = v2.candidate_selector
+    for codebook, seed in ((selector.successor_codebook, 0), (selector.predecessor_codebook, 2)):
+        codebook.weight = mx.random.normal(codebook.weight.shape, key=mx.random.key(seed)) * 8
+    model = load_target(model_dir)[0]
+    features = mx.random.normal((1, 12, len(v1.config.target_layer_ids) * v1.config.hidden_size), key=mx.random.key(1))
+
+    def proposal(draft) -> list[int]:
+        proposer = DFlashProposer(draft)
+        proposer.start(Target(model, draft.config.target_layer_ids))
+        proposer.add_context(features)
+        return proposer.propose(mx.array([5], dtype=mx.uint32), draft.block_size - 1).tolist()
+
+    off = runpy.run_path(str(TOOLS / "draft_costs.py"))["selector_off"](v2, mx.float32)
+    assert proposal(off) == proposal(v1) != proposal(v2)
+    assert mx.abs(v2.candidate_selector.successor_codebook.weight).max().item() > 0  # (the original untouched)
+    save_draft(v2, tmp_path / "v2")
+    out = run_tool("draft_costs.py", "--model", model_dir, "--drafts", str(tmp_path / "v2"), "--selector-off",
+                   "--num-prompts", "1", "--max-tokens", "8")
+    assert [line.split(" | ")[0] for line in out.splitlines()[2:4]] == [f"| {tmp_path / 'v2'}",
+                                                                         f"| {tmp_path / 'v2'} with its selector off"]
 
 
 def test_window_acceptance(pair):
