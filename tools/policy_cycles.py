@@ -14,11 +14,12 @@ policy mostly runs, yet takes a large share of the time, is chosen where it lose
 """
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
-from pathlib import Path
+
+from mlx_dflash import DFlashError
+from mlx_dflash.bench import read_runs
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,10 +75,9 @@ def fail(message: str) -> int:
 def main() -> None:
     args = parse_args()
     try:
-        results = json.loads(Path(args.results).read_text())
-        runs = [run for run in results["runs"] if run.get("policy_cycles")]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        sys.exit(fail(f"{args.results} is not a benchmark's results.json ({type(error).__name__}: {error})"))
+        results, runs = read_runs(args.results, "policy_cycles")
+    except DFlashError as error:
+        sys.exit(fail(str(error)))
     if not runs:
         sys.exit(fail("no run in this file kept its policy's cycles (bench keeps the adaptive methods')"))
     tree_budgets = list(results.get("config", {}).get("tree_budgets", []))

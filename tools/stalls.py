@@ -14,11 +14,12 @@ grows with its block, as on a CPU, the adaptive policy's larger blocks count as 
 """
 
 import argparse
-import json
 import statistics
 import sys
 from collections import defaultdict
-from pathlib import Path
+
+from mlx_dflash import DFlashError
+from mlx_dflash.bench import read_runs
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,10 +62,9 @@ def report(runs: list[dict], factor: float) -> None:
 def main() -> None:
     args = parse_args()
     try:
-        results = json.loads(Path(args.results).read_text())
-        runs = [run for run in results["runs"] if run.get("gaps")]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        sys.exit(fail(f"{args.results} is not a benchmark's results.json ({type(error).__name__}: {error})"))
+        _, runs = read_runs(args.results, "gaps")
+    except DFlashError as error:
+        sys.exit(fail(str(error)))
     if not runs:
         sys.exit(fail("no run in this file kept the gaps between its responses (a results.json of an older bench?)"))
     report(runs, args.factor)
