@@ -61,7 +61,8 @@ def _trees(args) -> Union[bool, int]:
     return args.tree_budget if args.tree_budget is not None else args.trees
 
 
-def _check_block_size(block_size) -> None:
+def _check_positive_block_size(block_size) -> None:
+    """Before loading; the draft's own limit (``policy.check_block_size``) once it is loaded."""
     if block_size is not None and block_size < 1:
         raise DFlashError(f"--block-size must be at least 1, got {block_size}")
 
@@ -247,7 +248,7 @@ def _run_generate(args) -> None:
 
     if args.max_tokens < 1:
         raise DFlashError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    _check_block_size(args.block_size)
+    _check_positive_block_size(args.block_size)
     _check_text(prompt=args.prompt, system=args.system, stop=args.stop)
     sampling = _sampling_from_args(args)
     model, tokenizer, draft, _ = _load_pair(args)
@@ -579,7 +580,7 @@ def _run_serve(args) -> None:
         raise DFlashError(f"--port must be in 1..65535, got {args.port}")
     if (args.context_limit is not None and args.context_limit < 2) or args.max_tokens_limit < 1:
         raise DFlashError("--context-limit must be at least 2 and --max-tokens-limit at least 1")
-    _check_block_size(args.block_size)
+    _check_positive_block_size(args.block_size)
     prefix_cache_bytes = parse_bytes(args.prefix_cache_bytes)
     if args.decode_concurrency < 1:
         raise DFlashError(f"--decode-concurrency must be at least 1, got {args.decode_concurrency}")
