@@ -10,7 +10,9 @@ median, as a share of the method's decode time, and at which response of their t
 A stall that every method meets alike (the machine busy elsewhere) costs no method its ratio; one
 that a method meets far more often (kernels built mid-text for a shape it alone runs, a policy
 reacting to a stall by switching sizes) is where that method loses time. (Where a cycle's cost
-grows with its block, as on a CPU, the adaptive policy's larger blocks count as stalls too.)
+grows with its block, as on a CPU, the adaptive policy's larger blocks count as stalls too. A
+text's first DFlash cycle holds the start of the engine's pipeline: two blocks built, the first
+with the device waiting; it often counts as a stall.)
 """
 
 import argparse
