@@ -79,16 +79,18 @@ def test_turns_equal_cold_runs_and_mlx_lm(pair, options):
 
 
 @pytest.mark.parametrize("options", [EngineOptions(), GPU_PATHS], ids=["cpu-paths", "gpu-paths"])
-def test_a_reply_stopped_early_is_kept_up_to_its_last_cycle(pair, options):
+@pytest.mark.parametrize("stop_after", [1, 5])
+def test_a_reply_stopped_early_is_kept_up_to_its_last_cycle(pair, options, stop_after):
     """A generation that its caller ends early (a stop string, a client gone) keeps what it
-    committed; the next turn over it gives a cold run's tokens."""
+    committed; the next turn over it gives a cold run's tokens, also when it ends at the prefill's
+    token."""
     name, model, tokenizer, draft = pair
     cache = PrefixCache(1 << 30)
     stream = stream_generate(model, tokenizer, HISTORY, draft, max_tokens=MAX_TOKENS, prefix_cache=cache, options=options)
     reply = []
     for response in stream:
         reply += response.tokens
-        if len(reply) >= 5:
+        if len(reply) >= stop_after:
             break
     stream.close()
     turn_prompt = HISTORY + reply + NEW
