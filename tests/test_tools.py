@@ -248,13 +248,23 @@ def test_draft_costs(pair):
     assert out.splitlines()[-1].endswith("every draft the same texts: True)")
 
 
+def proposal(model, draft, features: mx.array) -> list[int]:
+    """A draft's greedy block after the context ``features``."""
+    from mlx_dflash.proposer import DFlashProposer
+    from mlx_dflash.target import Target
+
+    proposer = DFlashProposer(draft)
+    proposer.start(Target(model, draft.config.target_layer_ids))
+    proposer.add_context(features)
+    return proposer.propose(mx.array([5], dtype=mx.uint32), draft.block_size - 1).tolist()
+
+
 def test_draft_costs_with_the_selector_off(pair, tmp_path):
     """A DFlash2 draft whose selector re-ranks, and the copy ``--selector-off`` adds: the copy
     proposes what the v1 draft with the same weights proposes, and the original keeps its selector."""
     from mlx_dflash import load_draft, save_draft
     from mlx_dflash.draft import to_dflash2
-    from mlx_dflash.proposer import DFlashProposer
-    from mlx_dflash.target import Target, load_target
+    from mlx_dflash.target import load_target
 
     model_dir, draft_dir = pair
     v1 = load_draft(draft_dir)
@@ -265,20 +275,38 @@ def test_draft_costs_with_the_selector_off(pair, tmp_path):
     model = load_target(model_dir)[0]
     features = mx.random.normal((1, 12, len(v1.config.target_layer_ids) * v1.config.hidden_size), key=mx.random.key(1))
 
-    def proposal(draft) -> list[int]:
-        proposer = DFlashProposer(draft)
-        proposer.start(Target(model, draft.config.target_layer_ids))
-        proposer.add_context(features)
-        return proposer.propose(mx.array([5], dtype=mx.uint32), draft.block_size - 1).tolist()
-
     off = runpy.run_path(str(TOOLS / "draft_costs.py"))["selector_off"](v2, mx.float32)
-    assert proposal(off) == proposal(v1) != proposal(v2)
+    assert proposal(model, off, features) == proposal(model, v1, features) != proposal(model, v2, features)
     assert mx.abs(v2.candidate_selector.successor_codebook.weight).max().item() > 0  # (the original untouched)
     save_draft(v2, tmp_path / "v2")
     out = run_tool("draft_costs.py", "--model", model_dir, "--drafts", str(tmp_path / "v2"), "--selector-off",
-                   "--num-prompts", "1", "--max-tokens", "8")
-    assert [line.split(" | ")[0] for line in out.splitlines()[2:4]] == [f"| {tmp_path / 'v2'}",
-                                                                         f"| {tmp_path / 'v2'} with its selector off"]
+                   "--convs-off", "--num-prompts", "1", "--max-tokens", "8")
+    name = str(tmp_path / "v2")
+    assert [line.split(" | ")[0] for line in out.splitlines()[2:5]] == [
+        f"| {name}", f"| {name} with its selector off", f"| {name} with its convolutions off"]
+
+
+def test_draft_costs_with_the_convolutions_off(pair):
+    """The copy ``--convs-off`` adds of a DFlash2 draft whose convolutions are not the identity:
+    with a zero successor codebook it proposes what the v1 draft with the same weights proposes."""
+    from mlx_dflash import load_draft
+    from mlx_dflash.draft import to_dflash2
+    from mlx_dflash.target import load_target
+
+    model_dir, draft_dir = pair
+    v1 = load_draft(draft_dir)
+    v2 = to_dflash2(v1)
+    for seed, layer in enumerate(v2.layers):
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = mx.random.normal(conv.base_kernel.shape, key=mx.random.key(seed)) * 4
+            conv.kernel_projection.weight = mx.random.normal(conv.kernel_projection.weight.shape,
+                                                             key=mx.random.key(seed + 10))
+    model = load_target(model_dir)[0]
+    features = mx.random.normal((1, 12, len(v1.config.target_layer_ids) * v1.config.hidden_size), key=mx.random.key(1))
+
+    off = runpy.run_path(str(TOOLS / "draft_costs.py"))["convs_off"](v2, mx.float32)
+    assert proposal(model, off, features) == proposal(model, v1, features) != proposal(model, v2, features)
+    assert mx.abs(v2.layers[0].attention_conv.kernel_projection.weight).max().item() > 0  # (the original untouched)
 
 
 def test_window_acceptance(pair):

@@ -1,7 +1,7 @@
 """Drafts side by side on one target: decode speed, tokens per verify and ms per cycle.
 
     python tools/draft_costs.py [--model M] [--drafts D1 D2 ...] [--identity-v2] [--selector-off]
-        [--num-prompts 8] [--max-tokens 256]
+        [--convs-off] [--num-prompts 8] [--max-tokens 256]
 
 HumanEval chat prompts, greedy, fixed full blocks; each draft runs every prompt once after a
 warm-up of its own, the drafts alternating per prompt (a noisy machine then treats them alike).
@@ -11,8 +11,9 @@ zero successor codebook: ``draft.to_dflash2``, the start of ``train --arch dflas
 the two differ only in what a v2 cycle computes: the same texts at the same acceptance, and the
 difference in ms per cycle is the v2 draft's own cost on this machine. ``--selector-off`` adds, for
 each DFlash2 draft, a copy whose successor codebook is zero (its selector keeps the head's ranking,
-its convolutions stay): what the selector adds to tokens per verify, and what it costs. "Ops a draft" counts the
-operations other than views in one greedy draft of a full block, as MLX's graph holds them on the
+its convolutions stay): what the selector adds to tokens per verify, and what it costs;
+``--convs-off`` a copy whose convolutions are the identity (its selector stays): what they add.
+"Ops a draft" counts the operations other than views in one greedy draft of a full block, as MLX's graph holds them on the
 machine it runs on: on a GPU, where a small model's cycle is bound by launches, each is a kernel
 (on the CPU MLX's fused norms and rotary embeddings count as their parts; compare on one machine).
 """
@@ -27,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from mlx_dflash import generate, load, use_fast_blas
 from mlx_dflash.bench import humaneval_prompts, side_by_side_cells
-from mlx_dflash.draft import to_dflash2
+from mlx_dflash.draft import SublayerConv, to_dflash2
 from mlx_dflash.draft_io import dequantize_draft, is_quantized
 from mlx_dflash.pair import load_pair_draft
 from mlx_dflash.proposer import DFlashProposer
@@ -50,15 +51,35 @@ def ops_a_draft(model, draft) -> int:
     return sum(label not in VIEWS for label in labels)
 
 
+def float_copy(draft, dtype):
+    """A copy of a draft in float weights (``dtype`` where it is quantized), to change apart."""
+    if is_quantized(draft):
+        return dequantize_draft(draft, dtype)
+    copy = type(draft)(draft.config)
+    copy.load_weights(list(tree_flatten(draft.parameters())))
+    return copy
+
+
 def selector_off(draft, dtype):
     """A copy of a DFlash2 draft whose selector keeps the head's ranking (a zero successor codebook)."""
-    if is_quantized(draft):
-        copy = dequantize_draft(draft, dtype)
-    else:
-        copy = type(draft)(draft.config)
-        copy.load_weights(list(tree_flatten(draft.parameters())))
+    copy = float_copy(draft, dtype)
     codebook = copy.candidate_selector.successor_codebook
     codebook.weight = mx.zeros_like(codebook.weight)
+    mx.eval(copy.parameters())
+    return copy
+
+
+def convs_off(draft, dtype):
+    """A copy of a DFlash2 draft whose convolutions are the identity (their start: tap 0 of the base
+    kernel 1, the other taps and the kernel projections 0); its selector stays."""
+    copy = float_copy(draft, dtype)
+    config = copy.config
+    for layer in copy.layers:
+        fresh = [SublayerConv(config.hidden_size, config.dflash2.conv_kernel_size, config.dflash2.conv_group_size)
+                 for _ in range(2)]
+        for conv in fresh:
+            conv.set_dtype(layer.attention_conv.kernel_projection.weight.dtype)
+        layer.attention_conv, layer.mlp_conv = fresh
     mx.eval(copy.parameters())
     return copy
 
@@ -69,6 +90,7 @@ def main() -> None:
     parser.add_argument("--drafts", nargs="+", default=[None], help="default: the draft shipped for the model")
     parser.add_argument("--identity-v2", action="store_true", help="add each v1 draft's identity DFlash2 draft")
     parser.add_argument("--selector-off", action="store_true", help="add each DFlash2 draft with its selector off")
+    parser.add_argument("--convs-off", action="store_true", help="add each DFlash2 draft with its convolutions at identity")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()
@@ -84,10 +106,11 @@ def main() -> None:
                 v1 = dequantize_draft(draft, float_dtype(model)) if is_quantized(draft) else draft
                 drafts[i: i + 1] = [(name, v1), (f"{name} as identity DFlash2", to_dflash2(v1))]
 
-    if args.selector_off:
-        for i, (name, draft) in reversed(list(enumerate(drafts))):
-            if draft.config.dflash2 is not None:
-                drafts.insert(i + 1, (f"{name} with its selector off", selector_off(draft, float_dtype(model))))
+    for wanted, change, what in [(args.convs_off, convs_off, "convolutions"), (args.selector_off, selector_off, "selector")]:
+        if wanted:
+            for i, (name, draft) in reversed(list(enumerate(drafts))):
+                if draft.config.dflash2 is not None and " off" not in name:
+                    drafts.insert(i + 1, (f"{name} with its {what} off", change(draft, float_dtype(model))))
 
     prompts = humaneval_prompts()[: args.num_prompts]
     for _, draft in drafts:
