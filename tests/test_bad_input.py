@@ -127,6 +127,7 @@ def test_a_block_larger_than_the_drafts_fails_before_benchmarking(pair, capsys):
     (["--time-budget", "nan"], "--time-budget must be a positive number"),
     (["--kernel-lr-scale", "2"], "--kernel-lr-scale must be in"),
     (["--selector-lr-scale", "nan"], "--selector-lr-scale must be in"),
+    (["--conv-taps", "-1"], "--conv-taps must be in 0..16, got -1"),
     (["--seed", "-1"], "--seed must be in 0.."),
     (["--intermediate-size", "0"], "--intermediate-size must be at least 1"),
 ])

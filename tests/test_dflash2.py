@@ -30,7 +30,7 @@ def trained_looking(draft, seed: int = 1):
     """Non-identity convolutions and selector weights, as a trained v2 draft has."""
     rng = np.random.default_rng(seed)
     for layer in draft.layers:
-        for conv in (layer.attention_conv, layer.mlp_conv):
+        for conv in (layer.attention_conv, layer.mlp_conv) if "attention_conv" in layer else ():
             conv.base_kernel = conv.base_kernel + mx.array(rng.normal(0, 0.3, conv.base_kernel.shape), mx.float32)
             conv.kernel_projection.weight = mx.array(rng.normal(0, 0.1, conv.kernel_projection.weight.shape),
                                                      mx.float32)
@@ -171,6 +171,32 @@ def test_v2_format_round_trip(qwen3_pair, tmp_path):
     config["block_size"] = 16
     (path / "config.json").write_text(json.dumps(config))
     assert load_draft(str(path)).block_size == 8
+
+
+def test_a_v2_draft_without_convolutions(qwen3_pair, tmp_path):
+    """``conv_kernel_size`` 0: v1's layers and the selector. No convolution weights on disk, the
+    config round-trips, and its greedy output is mlx-lm's (fixed, adaptive, the GPUs' paths); a
+    negative count fails with one line."""
+    import dataclasses
+
+    model, tokenizer, prompt, reference = qwen3_pair
+    no_convs = dataclasses.replace(V2, conv_kernel_size=0)
+    draft = trained_looking(create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID,
+                                                dflash2=no_convs))
+    path = save_draft(draft, tmp_path / "v2")
+    keys = set(mx.load(str(path / "model.safetensors")))
+    assert "candidate_selector.successor_codebook" in keys and not any("conv" in k for k in keys)
+    loaded = load_draft(str(path))
+    assert loaded.config.dflash2 == no_convs
+    gpu_paths = EngineOptions(queue_ahead=True, pad_reads=True, compile_blocks=True, compile_draft=True, pack_draft=True)
+    for adaptive, options in [(False, EngineOptions()), (True, EngineOptions()), (False, gpu_paths)]:
+        assert generate(model, tokenizer, prompt, loaded, max_tokens=MAX_TOKENS, adaptive=adaptive,
+                        options=options).tokens == reference[:MAX_TOKENS]
+    config = json.loads((path / "config.json").read_text())
+    config["dflash_config"]["conv_kernel_size"] = -1
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match="dflash_config.conv_kernel_size must be a count"):
+        load_draft(str(path))
 
 
 def test_malformed_v2_drafts_fail_with_one_line(qwen3_pair, tmp_path):
@@ -358,10 +384,20 @@ def test_dflash2_training_runs_and_fine_tunes_a_v1_draft(tmp_path, tiny_dir):
     again = TrainConfig(**base, steps=1, selector_lr_scale=10.0)
     train(model, tokenizer, [str(data)], str(tmp_path / "again"), again, init=str(v2_dir))
     assert again.arch == "dflash2"
-    with pytest.raises(DFlashError, match="set a DFlash2 draft's rates: train one with --arch dflash2"):
+    with pytest.raises(DFlashError, match="shape a DFlash2 draft: train one with --arch dflash2"):
         train(model, tokenizer, [str(data)], str(tmp_path / "v1-scaled"), TrainConfig(**base, steps=1, selector_lr_scale=10.0),
               init=str(v1_dir))
     assert not (tmp_path / "v1-scaled").exists()
+
+    # --conv-taps 0: a fine-tune of the v1 draft into v1's layers and a selector (no convolutions);
+    # a DFlash2 --init draft keeps its own taps.
+    selector_only = train(model, tokenizer, [str(data)], str(tmp_path / "selector-only"),
+                          TrainConfig(**base, steps=2, arch="dflash2", conv_taps=0), init=str(v1_dir))
+    loaded = load_draft(str(selector_only))
+    assert loaded.config.dflash2.conv_kernel_size == 0 and "attention_conv" not in loaded.layers[0]
+    with pytest.raises(DFlashError, match="--conv-taps 0: the --init draft's convolutions have 2 taps"):
+        train(model, tokenizer, [str(data)], str(tmp_path / "retapped"), TrainConfig(**base, steps=1, conv_taps=0),
+              init=str(v2_dir))
 
 
 @pytest.mark.parametrize("kernel, selector", [(0.1, 10.0), (1.0, 1.0)])

@@ -12,7 +12,7 @@ the two differ only in what a v2 cycle computes: the same texts at the same acce
 difference in ms per cycle is the v2 draft's own cost on this machine. ``--selector-off`` adds, for
 each DFlash2 draft, a copy whose successor codebook is zero (its selector keeps the head's ranking,
 its convolutions stay): what the selector adds to tokens per verify, and what it costs;
-``--convs-off`` a copy whose convolutions are the identity (its selector stays): what they add.
+``--convs-off`` a copy without its convolutions (its selector stays): what they add.
 "Ops a draft" counts the operations other than views in one greedy draft of a full block, as MLX's graph holds them on the
 machine it runs on: on a GPU, where a small model's cycle is bound by launches, each is a kernel
 (on the CPU MLX's fused norms and rotary embeddings count as their parts; compare on one machine).
@@ -21,6 +21,7 @@ machine it runs on: on a GPU, where a small model's cycle is bound by launches, 
 import argparse
 import re
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from mlx_dflash import generate, load, use_fast_blas
 from mlx_dflash.bench import humaneval_prompts, side_by_side_cells
-from mlx_dflash.draft import SublayerConv, to_dflash2
+from mlx_dflash.draft import to_dflash2
 from mlx_dflash.draft_io import dequantize_draft, is_quantized
 from mlx_dflash.pair import load_pair_draft
 from mlx_dflash.proposer import DFlashProposer
@@ -70,18 +71,13 @@ def selector_off(draft, dtype):
 
 
 def convs_off(draft, dtype):
-    """A copy of a DFlash2 draft whose convolutions are the identity (their start: tap 0 of the base
-    kernel 1, the other taps and the kernel projections 0); its selector stays."""
+    """A copy of a DFlash2 draft without its convolutions (``conv_kernel_size`` 0: as if they were
+    the identity, in fewer operations); its selector stays."""
     copy = float_copy(draft, dtype)
-    config = copy.config
-    for layer in copy.layers:
-        fresh = [SublayerConv(config.hidden_size, config.dflash2.conv_kernel_size, config.dflash2.conv_group_size)
-                 for _ in range(2)]
-        for conv in fresh:
-            conv.set_dtype(layer.attention_conv.kernel_projection.weight.dtype)
-        layer.attention_conv, layer.mlp_conv = fresh
-    mx.eval(copy.parameters())
-    return copy
+    bare = type(copy)(replace(copy.config, dflash2=replace(copy.config.dflash2, conv_kernel_size=0)))
+    bare.load_weights([(name, value) for name, value in tree_flatten(copy.parameters()) if "_conv." not in name])
+    mx.eval(bare.parameters())
+    return bare
 
 
 def main() -> None:
@@ -90,7 +86,7 @@ def main() -> None:
     parser.add_argument("--drafts", nargs="+", default=[None], help="default: the draft shipped for the model")
     parser.add_argument("--identity-v2", action="store_true", help="add each v1 draft's identity DFlash2 draft")
     parser.add_argument("--selector-off", action="store_true", help="add each DFlash2 draft with its selector off")
-    parser.add_argument("--convs-off", action="store_true", help="add each DFlash2 draft with its convolutions at identity")
+    parser.add_argument("--convs-off", action="store_true", help="add each DFlash2 draft without its convolutions")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
     args = parser.parse_args()

@@ -351,6 +351,10 @@ def _add_train(sub) -> None:
     p.add_argument("--selector-lr-scale", type=float, default=d.selector_lr_scale,
                    help="dflash2: the candidate selector learns at this multiple of --lr (above 1 lets a "
                         "short fine-tune at a small --lr train it from its zero start)")
+    p.add_argument("--conv-taps", type=int, default=None,
+                   help="dflash2: taps of its per-token convolutions (default 2, the published drafts'); 0: "
+                        "none, the draft is v1's layers and the selector (the convolutions have added no "
+                        "acceptance, and cost operations: docs/training.md)")
     p.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="dtype of the training passes (weights stay float32); default: the target's")
     p.set_defaults(func=_run_train)
@@ -385,6 +389,8 @@ def _run_train(args) -> None:
         raise DFlashError(f"--kernel-lr-scale must be in [0, 1], got {args.kernel_lr_scale}")
     if not 0 <= args.selector_lr_scale <= 1000:
         raise DFlashError(f"--selector-lr-scale must be in [0, 1000], got {args.selector_lr_scale}")
+    if args.conv_taps is not None and not 0 <= args.conv_taps <= 16:
+        raise DFlashError(f"--conv-taps must be in 0..16, got {args.conv_taps}")
     cfg = TrainConfig(
         layers=args.layers, intermediate_size=args.intermediate_size, block_size=args.block_size,
         target_layer_ids=args.target_layers,
@@ -393,7 +399,7 @@ def _run_train(args) -> None:
         eval_prompts=args.eval_prompts, held_out_from=args.held_out_from, save_every=args.save_every,
         seed=args.seed, time_budget=args.time_budget, draft_vocab=args.draft_vocab, compute_dtype=args.compute_dtype,
         arch=args.arch, selector_weight=args.selector_weight, kernel_lr_scale=args.kernel_lr_scale,
-        selector_lr_scale=args.selector_lr_scale,
+        selector_lr_scale=args.selector_lr_scale, conv_taps=args.conv_taps,
     )
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(train(model, tokenizer, args.data, args.out, cfg, resume=args.resume, init=args.init))

@@ -180,7 +180,7 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if config.dflash2 is not None:
+        if config.dflash2 is not None and config.dflash2.conv_kernel_size:
             taps, group = config.dflash2.conv_kernel_size, config.dflash2.conv_group_size
             self.attention_conv = SublayerConv(config.hidden_size, taps, group)
             self.mlp_conv = SublayerConv(config.hidden_size, taps, group)

@@ -58,10 +58,10 @@ def _check_config_values(raw: dict, dflash: dict) -> None:
         raise DFlashError(f"draft config.json: dflash_config.target_layer_ids must be a list of layer indices, got {ids!r}")
     if raw.get("is_causal") is not None and not isinstance(raw["is_causal"], bool):
         raise DFlashError(f"draft config.json: is_causal must be true or false, got {raw['is_causal']!r}")
-    for key in ("block_size", *V2_KEYS):
+    for key in ("block_size", "conv_group_size", "selector_rank", "selector_top_k"):
         if dflash.get(key) is not None and not (_is_int(dflash[key]) and dflash[key] > 0):
             raise DFlashError(f"draft config.json: dflash_config.{key} must be a positive integer, got {dflash[key]!r}")
-    for key in ("context_window", "context_sink"):
+    for key in ("context_window", "context_sink", "conv_kernel_size"):  # (0 taps: no convolutions)
         if dflash.get(key) is not None and not (_is_int(dflash[key]) and dflash[key] >= 0):
             raise DFlashError(f"draft config.json: dflash_config.{key} must be a count, got {dflash[key]!r}")
     types = raw.get("layer_types")
@@ -222,7 +222,9 @@ V2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top
 class DFlash2Config:
     """DFlash2's additions (``dflash_config``): a per-token convolution around each sublayer
     (``conv_kernel_size`` taps, kernels projected per group of ``conv_group_size`` channels) and a
-    low-rank candidate selector re-ranking the head's top ``selector_top_k`` by the previous token."""
+    low-rank candidate selector re-ranking the head's top ``selector_top_k`` by the previous token.
+    ``conv_kernel_size`` 0 (ours, not the published format's): no convolutions, v1's layers and
+    the selector (where we trained both, the convolutions added no acceptance: docs/training.md)."""
 
     conv_kernel_size: int = 2
     conv_group_size: int = 16

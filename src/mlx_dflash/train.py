@@ -70,6 +70,7 @@ class TrainConfig:
     selector_weight: float = 1.0  # DFlash2: the selector loss's weight beside the block loss
     kernel_lr_scale: float = 1.0  # DFlash2: the convolutions' kernel projections learn at this fraction of lr
     selector_lr_scale: float = 1.0  # DFlash2: the candidate selector learns at this multiple of lr
+    conv_taps: Optional[int] = None  # DFlash2: taps of its convolutions (None: the published 2; 0: none)
     history: list = field(default_factory=list)  # filled while training; saved with checkpoints
 
     def loss_gamma(self) -> float:
@@ -302,6 +303,11 @@ def check_in_sync(draft: DFlashDraft, world: mx.distributed.Group) -> None:
         raise DFlashError(f"data-parallel training diverged: weight sums per process {every.tolist()}")
 
 
+def dflash2_config(cfg: TrainConfig) -> DFlash2Config:
+    """The DFlash2 part of a draft this run creates: the published one, or with ``conv_taps``."""
+    return DFlash2Config() if cfg.conv_taps is None else DFlash2Config(conv_kernel_size=cfg.conv_taps)
+
+
 def make_optimizer(cfg: TrainConfig, schedule: Callable[[mx.array], mx.array]) -> optim.Optimizer:
     """AdamW on ``schedule``; a DFlash2 draft's kernel projections on ``kernel_lr_scale`` times it
     and its candidate selector on ``selector_lr_scale`` times it.
@@ -354,7 +360,11 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
         draft.set_dtype(mx.float32)
         check_compatible(draft, target_model)
         if cfg.arch == "dflash2":
-            draft = to_dflash2(draft)  # (a v1 draft: the identity start, a fine-tune from its drafts)
+            draft = to_dflash2(draft, dflash2_config(cfg))  # (a v1 draft: the identity start, a fine-tune from its drafts)
+        v2 = draft.config.dflash2
+        if v2 is not None and cfg.conv_taps is not None and cfg.conv_taps != v2.conv_kernel_size:
+            raise DFlashError(f"--conv-taps {cfg.conv_taps}: the --init draft's convolutions have "
+                              f"{v2.conv_kernel_size} taps (a DFlash2 draft keeps its own)")
         cfg.layers, cfg.block_size = draft.config.num_hidden_layers, draft.block_size
         cfg.intermediate_size = draft.config.intermediate_size
         cfg.target_layer_ids, cfg.mask_token_id = draft.config.target_layer_ids, draft.config.mask_token_id
@@ -369,13 +379,13 @@ def train(target_model, tokenizer, data_dirs: list[str], out_dir: str, cfg: Trai
             vars(text_args(target_model)), num_layers=cfg.layers, block_size=cfg.block_size,
             mask_token_id=cfg.mask_token_id, target_layer_ids=cfg.target_layer_ids,
             intermediate_size=cfg.intermediate_size, seed=cfg.seed,
-            dflash2=DFlash2Config() if cfg.arch == "dflash2" else None,
+            dflash2=dflash2_config(cfg) if cfg.arch == "dflash2" else None,
         )
         draft.config.context_window = cfg.max_len  # it never sees more context than this in training
         draft.set_dtype(mx.float32)
     cfg.arch = "dflash" if draft.config.dflash2 is None else "dflash2"  # (an --init DFlash2 draft stays one)
-    if cfg.arch == "dflash" and (cfg.kernel_lr_scale != 1.0 or cfg.selector_lr_scale != 1.0):
-        raise DFlashError("--kernel-lr-scale and --selector-lr-scale set a DFlash2 draft's rates: "
+    if cfg.arch == "dflash" and (cfg.kernel_lr_scale != 1.0 or cfg.selector_lr_scale != 1.0 or cfg.conv_taps is not None):
+        raise DFlashError("--kernel-lr-scale, --selector-lr-scale and --conv-taps shape a DFlash2 draft: "
                           "train one with --arch dflash2")
     if cfg.draft_vocab and not start_step:
         draft.config.draft_vocab = frequent_tokens(records, cfg.draft_vocab)
