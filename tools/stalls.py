@@ -6,7 +6,9 @@
 `bench` keeps each run's ``gaps``: the seconds from each response to the next (a step of
 mlx-lm's, a cycle of ours). Per method: the gaps, their median, the stalls (gaps over
 ``--factor`` times the median of their own text's gaps), the seconds the stalls took beyond that
-median, as a share of the method's decode time, and at which response of their text they came.
+median, as a share of the method's decode time, how many came at a text's first response after
+its first token, how far that first gap runs past its text's median (the median over texts), and
+at which response of their text they came.
 A stall that every method meets alike (the machine busy elsewhere) costs no method its ratio; one
 that a method meets far more often (kernels built mid-text for a shape it alone runs, a policy
 reacting to a stall by switching sizes) is where that method loses time. (Where a cycle's cost
@@ -41,24 +43,28 @@ def fail(message: str) -> int:
 
 def report(runs: list[dict], factor: float) -> None:
     print("| method | texts | gaps | median gap ms | stalls | stall ms beyond the median | share of the decode time "
+          "| at a text's first response | first gap beyond its text's median (median of texts, ms) "
           "| where (response of its text) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     by_method = defaultdict(list)
     for run in runs:
         by_method[run["method"]].append(run)
     for method, texts in by_method.items():
-        gaps, where, beyond, decode = [], [], 0.0, 0.0
+        gaps, where, first_beyond, beyond, decode = [], [], [], 0.0, 0.0
         for run in texts:
             decode += run["decode_s"]
             usual = statistics.median(run["gaps"])
+            first_beyond.append(run["gaps"][0] - usual)
             for i, gap in enumerate(run["gaps"]):
                 if gap > factor * usual:
                     where.append(f"{run['prompt']}:{i + 1}")
                     beyond += gap - usual
             gaps += run["gaps"]
+        at_first = sum(place.endswith(":1") for place in where)
         shown = " ".join(where[:12]) + (f" (+{len(where) - 12})" if len(where) > 12 else "")
         print(f"| {method} | {len(texts)} | {len(gaps)} | {1000 * statistics.median(gaps):.2f} | {len(where)} "
-              f"| {1000 * beyond:.1f} | {beyond / decode:.1%} | {shown or '-'} |")
+              f"| {1000 * beyond:.1f} | {beyond / decode:.1%} | {at_first} | {1000 * statistics.median(first_beyond):.1f} "
+              f"| {shown or '-'} |")
 
 
 def main() -> None:
