@@ -12,10 +12,11 @@ the two differ only in what a v2 cycle computes: the same texts at the same acce
 difference in ms per cycle is the v2 draft's own cost on this machine. ``--selector-off`` adds, for
 each DFlash2 draft, a copy whose successor codebook is zero (its selector keeps the head's ranking,
 its convolutions stay): what the selector adds to tokens per verify, and what it costs;
-``--convs-off`` a copy without its convolutions (its selector stays): what they add.
-"Ops a draft" counts the operations other than views in one greedy draft of a full block, as MLX's graph holds them on the
-machine it runs on: on a GPU, where a small model's cycle is bound by launches, each is a kernel
-(on the CPU MLX's fused norms and rotary embeddings count as their parts; compare on one machine).
+``--convs-off`` a copy without its convolutions (its selector stays): what they add. "Ops a
+draft" counts the operations other than views in one greedy draft of a full block, as MLX's graph
+holds them on the machine it runs on: on a GPU, where a small model's cycle is bound by launches,
+each is a kernel (on the CPU MLX's fused norms and rotary embeddings count as their parts; compare
+on one machine).
 """
 
 import argparse
@@ -102,11 +103,12 @@ def main() -> None:
                 v1 = dequantize_draft(draft, float_dtype(model)) if is_quantized(draft) else draft
                 drafts[i: i + 1] = [(name, v1), (f"{name} as identity DFlash2", to_dflash2(v1))]
 
-    for wanted, change, what in [(args.convs_off, convs_off, "convolutions"), (args.selector_off, selector_off, "selector")]:
-        if wanted:
-            for i, (name, draft) in reversed(list(enumerate(drafts))):
-                if draft.config.dflash2 is not None and " off" not in name:
-                    drafts.insert(i + 1, (f"{name} with its {what} off", change(draft, float_dtype(model))))
+    changes = [(change, part) for wanted, change, part in [(args.selector_off, selector_off, "selector"),
+                                                           (args.convs_off, convs_off, "convolutions")] if wanted]
+    for i, (name, draft) in reversed(list(enumerate(drafts))):
+        if draft.config.dflash2 is not None:  # (each DFlash2 draft followed by its copies)
+            drafts[i + 1: i + 1] = [(f"{name} with its {part} off", change(draft, float_dtype(model)))
+                                    for change, part in changes]
 
     prompts = humaneval_prompts()[: args.num_prompts]
     for _, draft in drafts:
