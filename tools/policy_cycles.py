@@ -75,11 +75,10 @@ def fail(message: str) -> int:
 def main() -> None:
     args = parse_args()
     try:
-        results, runs = read_runs(args.results, "policy_cycles")
+        results, runs = read_runs(args.results, "policy_cycles",
+                                  "no run in this file kept its policy's cycles (bench keeps the adaptive methods')")
     except DFlashError as error:
         sys.exit(fail(str(error)))
-    if not runs:
-        sys.exit(fail("no run in this file kept its policy's cycles (bench keeps the adaptive methods')"))
     tree_budgets = list(results.get("config", {}).get("tree_budgets", []))
     by_method = defaultdict(list)
     for run in runs:

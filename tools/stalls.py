@@ -70,11 +70,10 @@ def report(runs: list[dict], factor: float) -> None:
 def main() -> None:
     args = parse_args()
     try:
-        _, runs = read_runs(args.results, "gaps")
+        _, runs = read_runs(args.results, "gaps",
+                            "no run in this file kept the gaps between its responses (a results.json of an older bench?)")
     except DFlashError as error:
         sys.exit(fail(str(error)))
-    if not runs:
-        sys.exit(fail("no run in this file kept the gaps between its responses (a results.json of an older bench?)"))
     report(runs, args.factor)
 
 

@@ -112,14 +112,18 @@ def acceptance_by_position(acceptance: list[int], block_size: int) -> list[float
     return [float(np.mean([a > k for a in acceptance])) for k in range(1, block_size)]
 
 
-def read_runs(path: str, kept: str) -> tuple[dict, list[dict]]:
+def read_runs(path: str, kept: str, none_kept: str) -> tuple[dict, list[dict]]:
     """A results.json that ``bench --out`` wrote, and those of its runs that kept ``kept`` (a
-    field of ``Run``: ``gaps``, ``policy_cycles``); what is not such a file fails with one line."""
+    field of ``Run``: ``gaps``, ``policy_cycles``); what is not such a file, or one where no run
+    kept it (``none_kept`` says why), fails with one line."""
     try:
         results = json.loads(Path(path).read_text())
-        return results, [run for run in results["runs"] if run.get(kept)]
+        runs = [run for run in results["runs"] if run.get(kept)]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise DFlashError(f"{path} is not a benchmark's results.json ({type(error).__name__}: {error})") from None
+    if not runs:
+        raise DFlashError(none_kept)
+    return results, runs
 
 
 def summarize(runs: list[Run], block_size: int) -> dict:
