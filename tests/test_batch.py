@@ -424,11 +424,12 @@ def test_rows_draft_what_each_drafts_alone_and_keep_greedy_output(pair, kind):
         first = mx.array([rows[i].first], dtype=mx.uint32)
         if i == 2 and draft.config.dflash2 is not None:
             alone, q_alone = proposer.sample(first, BLOCK - 1, sampled.temp, sampled.drawing(seed).key())
-            assert mx.allclose(q[index], q_alone, atol=1e-6)
+            # (a batch's products round apart from one row's: a few ulps of the larger probabilities)
+            assert mx.allclose(q[index], q_alone, rtol=1e-4, atol=1e-6)
         elif i == 2:  # (a v1 draft's sampled row: its head's distribution, drawn with the same key)
             q_alone = sampled.probabilities(proposer.draft_logits(first, BLOCK - 1))
             alone = sample(q_alone, sampled.drawing(seed).key())
-            assert mx.allclose(q[index], q_alone, atol=1e-6)
+            assert mx.allclose(q[index], q_alone, rtol=1e-4, atol=1e-6)
         else:
             alone = proposer.propose(first, BLOCK - 1)
         assert drafted[index].tolist() == alone.tolist()

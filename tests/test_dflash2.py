@@ -11,7 +11,7 @@ import pytest
 from tiny_models import FAMILIES, MASK_ID, MORE_FAMILIES, VOCAB_SIZE, tiny_pair
 
 from mlx_dflash import DFlashError, EngineOptions, create_random_draft, generate, load_draft, save_draft
-from mlx_dflash.draft import CandidateSelector, block_conv, follow_picks, top_k_columns
+from mlx_dflash.draft import CandidateSelector, block_conv, follow_picks, to_dflash2, top_k_columns
 from mlx_dflash.draft_cache import DraftContextCache, block_mask
 from mlx_dflash.draft_config import DFlash2Config, DraftConfig
 from mlx_dflash.proposer import DFlashProposer
@@ -127,6 +127,24 @@ def test_an_identity_v2_draft_proposes_what_the_same_v1_draft_does(qwen3_pair):
     runs = [generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS) for draft in (v1, v2)]
     assert runs[0].tokens == runs[1].tokens == reference[:MAX_TOKENS]
     assert runs[0].acceptance_lengths == runs[1].acceptance_lengths
+
+
+def test_a_v1_drafts_dflash2_copy_keeps_its_dtype(qwen3_pair):
+    """``to_dflash2`` of a bfloat16 draft: every weight bfloat16 (a float32 convolution kernel would
+    cast the activations back and forth), the same drafts."""
+    model, *_ = qwen3_pair
+    v1 = create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID, seed=3)
+    v1.set_dtype(mx.bfloat16)
+    v2 = to_dflash2(v1)
+    assert {w.dtype for _, w in tree_flatten(v2.parameters())} == {mx.bfloat16}
+    features = mx.random.normal((1, 20, len(v1.config.target_layer_ids) * v1.config.hidden_size), key=mx.random.key(2))
+    proposals = []
+    for draft in (v1, v2):
+        proposer = DFlashProposer(draft)
+        proposer.start(Target(model, draft.config.target_layer_ids))
+        proposer.add_context(features.astype(mx.bfloat16))
+        proposals.append(proposer.propose(mx.array([5], dtype=mx.uint32), 7).tolist())
+    assert proposals[0] == proposals[1]
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *MORE_FAMILIES])

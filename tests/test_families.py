@@ -9,7 +9,9 @@ from tiny_models import MASK_ID, MORE_FAMILIES, VOCAB_SIZE, greedy_reference, lo
 
 from mlx_dflash import EngineOptions, create_random_draft, generate
 from mlx_dflash.draft_io import quantize_draft
+from mlx_dflash.engine import decode_cycles
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.generate import make_proposer
 from mlx_dflash.replay import ReplayProposer
 from mlx_dflash.target import Target
 
@@ -118,6 +120,24 @@ def test_queued_cycles_equal_greedy(tiny_dir, family):
         result = generate(model, tokenizer, prompt, proposer, max_tokens=3 * MAX_TOKENS - 5, options=GPU_PATHS,
                           adaptive=adaptive)
         assert result.tokens == reference[: 3 * MAX_TOKENS - 5]
+
+
+@pytest.mark.parametrize("options", [EngineOptions(), GPU_PATHS], ids=["cpu-paths", "gpu-paths"])
+def test_the_first_block_is_queued_behind_the_prefill(tiny_dir, options):
+    """Where blocks queue ahead, the first block is in the caches before the prefill's token is
+    handed over (its graph built while the device prefills); elsewhere it is launched after."""
+    model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "first-block", "llama", "def fib(n):\n    return",
+                                                    MAX_TOKENS)
+    draft = create_random_draft(_config(model), num_layers=1, block_size=8, mask_token_id=MASK_ID)
+    target, proposer = make_proposer(model, draft, options)
+    caches = []
+    make_cache = target.make_cache
+    target.make_cache = lambda: caches.append(make_cache()) or caches[-1]  # (this instance only)
+    cycles = decode_cycles(target, proposer, mx.array(prompt), MAX_TOKENS, 8)
+    first = next(cycles)
+    queued = options is GPU_PATHS
+    assert caches[0][0].offset == len(prompt) + 8 * queued
+    assert first.tokens + [t for cycle in cycles for t in cycle.tokens] == reference[:MAX_TOKENS]
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])

@@ -470,6 +470,10 @@ def to_dflash2(draft: DFlashDraft, dflash2: Optional[DFlash2Config] = None) -> D
     if draft.config.dflash2 is not None:
         return draft
     v2 = DFlashDraft(replace(draft.config, dflash2=dflash2 or DFlash2Config()))
-    v2.load_weights(list(tree_flatten(draft.parameters())), strict=False)
+    weights = tree_flatten(draft.parameters())
+    v2.load_weights(weights, strict=False)
+    # (its new weights in the v1's float dtype: a float32 kernel beside bfloat16 activations
+    # would cast them back and forth, operations a loaded v2 draft does not run)
+    v2.set_dtype(next(w.dtype for _, w in weights if mx.issubdtype(w.dtype, mx.floating)))
     mx.eval(v2.parameters())
     return v2

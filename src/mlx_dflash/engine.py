@@ -12,7 +12,8 @@ Where every cache of the target can be cut by a count still on the device (KV an
 DeltaNet caches), greedy decoding rolls back, extends the draft's context and picks the next
 block's first token on the device, and queues the next cycle before it reads this one's count
 (``EngineOptions.queue_ahead``): the host builds a cycle's graph while the device runs the
-previous one, as mlx-lm's own decode loop does for single tokens.
+previous one, as mlx-lm's own decode loop does for single tokens; the first block is queued
+behind the prefill (``first_block``).
 """
 
 from __future__ import annotations
@@ -268,6 +269,16 @@ class BlockRunner:
             self.policy.record_cycle(block.size, committed, seconds, guess)
 
 
+def first_block(runner: BlockRunner, first: mx.array, max_tokens: int) -> Optional[Block]:
+    """The first block, queued behind the prefill before its first token is read, where blocks
+    queue ahead: the host builds its graph while the device prefills, as mlx-lm queues its second
+    step before reading its first token. None elsewhere: launched after the read."""
+    if not runner.queue_blocks or max_tokens < 2:
+        return None
+    mx.async_eval(first)  # (so that reading it waits for the prefill, not for the block too)
+    return runner.launch(first, *runner.next_size(max_tokens - 1))
+
+
 def decode_cycles(
     target: Target,
     proposer: Proposer,
@@ -295,13 +306,15 @@ def decode_cycles(
     logits, reused = prefill(target, proposer, prompt, cache, target.options.prefill_step, prompt_progress,
                              prefix_cache)
     first = first_token(sampling, logits[None], prompt)  # [1]
-    latest, emitted = first.item(), 1
     runner = BlockRunner(target, proposer, cache, block_size, sampling, policy, prompt.tolist(), tree_budget)
-    exact = True  # whether the caches hold just the committed tokens (but the latest)
+    block = first_block(runner, first, max_tokens)
+    latest, emitted = first.item(), 1
+    runner.clock.restart()  # (the first cycle's window starts at this read, as later ones do)
+    exact = block is None  # whether the caches hold just the committed tokens (but the latest)
     try:
         yield from runner.hand_over(Cycle([latest], None, reused_prompt_tokens=reused))
-        block = runner.launch(first, *runner.next_size(max_tokens - emitted)) if emitted < max_tokens else None
-        exact = block is None
+        if block is None and emitted < max_tokens:
+            block, exact = runner.launch(first, *runner.next_size(max_tokens - emitted)), False
         while block is not None:
             # Roll back before the read where the device knows the count, and queue the next cycle.
             queued = choice = None

@@ -409,6 +409,10 @@ class CycleClock:
         self.away = 0.0  # seconds the caller kept the tokens since the latest sync
         self.paused: Optional[float] = None
 
+    def restart(self) -> None:
+        """Start a window now, with no launch in it (the first cycle's, at the prefill's read)."""
+        self.synced, self.launched, self.away = time.perf_counter(), 0.0, 0.0
+
     def add_launch(self, seconds: float) -> None:
         self.launched += seconds
 
