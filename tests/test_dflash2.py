@@ -109,6 +109,15 @@ def qwen3_pair(tiny_dir):
     return tiny_pair(tiny_dir / "dflash2-qwen3", "qwen3", "def fib(n):\n    return", MAX_TOKENS)
 
 
+def _proposals(model, draft, dtype=mx.float32) -> list[int]:
+    """The draft's 7 proposals after token 5, following 20 positions of random target features."""
+    width = len(draft.config.target_layer_ids) * draft.config.hidden_size
+    proposer = DFlashProposer(draft)
+    proposer.start(Target(model, draft.config.target_layer_ids))
+    proposer.add_context(mx.random.normal((1, 20, width), key=mx.random.key(2)).astype(dtype))
+    return proposer.propose(mx.array([5], dtype=mx.uint32), 7).tolist()
+
+
 def test_an_identity_v2_draft_proposes_what_the_same_v1_draft_does(qwen3_pair):
     """Base tap 0 = 1, tap 1 = 0, kernel projections 0, successor codebook 0: the v2 draft's
     layers are v1's and its selector keeps the head's argmax."""
@@ -116,14 +125,7 @@ def test_an_identity_v2_draft_proposes_what_the_same_v1_draft_does(qwen3_pair):
     v1 = create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID, seed=3)
     v2 = create_random_draft(_config(model), num_layers=2, block_size=8, mask_token_id=MASK_ID, seed=9, dflash2=V2)
     v2.load_weights(list(tree_flatten(v1.parameters())), strict=False)  # (v1's weights; v2's own stay identity)
-    features = mx.random.normal((1, 20, len(v1.config.target_layer_ids) * v1.config.hidden_size), key=mx.random.key(2))
-    proposals = []
-    for draft in (v1, v2):
-        proposer = DFlashProposer(draft)
-        proposer.start(Target(model, draft.config.target_layer_ids))
-        proposer.add_context(features)
-        proposals.append(proposer.propose(mx.array([5], dtype=mx.uint32), 7).tolist())
-    assert proposals[0] == proposals[1]
+    assert _proposals(model, v1) == _proposals(model, v2)
     runs = [generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS) for draft in (v1, v2)]
     assert runs[0].tokens == runs[1].tokens == reference[:MAX_TOKENS]
     assert runs[0].acceptance_lengths == runs[1].acceptance_lengths
@@ -137,14 +139,7 @@ def test_a_v1_drafts_dflash2_copy_keeps_its_dtype(qwen3_pair):
     v1.set_dtype(mx.bfloat16)
     v2 = to_dflash2(v1)
     assert {w.dtype for _, w in tree_flatten(v2.parameters())} == {mx.bfloat16}
-    features = mx.random.normal((1, 20, len(v1.config.target_layer_ids) * v1.config.hidden_size), key=mx.random.key(2))
-    proposals = []
-    for draft in (v1, v2):
-        proposer = DFlashProposer(draft)
-        proposer.start(Target(model, draft.config.target_layer_ids))
-        proposer.add_context(features.astype(mx.bfloat16))
-        proposals.append(proposer.propose(mx.array([5], dtype=mx.uint32), 7).tolist())
-    assert proposals[0] == proposals[1]
+    assert _proposals(model, v1, mx.bfloat16) == _proposals(model, v2, mx.bfloat16)
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *MORE_FAMILIES])
