@@ -271,8 +271,9 @@ class BlockRunner:
 
 def first_block(runner: BlockRunner, first: mx.array, max_tokens: int) -> Optional[Block]:
     """The first block, queued behind the prefill before its first token is read, where blocks
-    queue ahead: the host builds its graph while the device prefills, as mlx-lm queues its second
-    step before reading its first token. None elsewhere: launched after the read."""
+    queue ahead, as mlx-lm queues its second step before reading its first token: decoding then
+    starts with a cycle in flight (its graph built before the first token, not after it). None
+    elsewhere: launched after the read."""
     if not runner.queue_blocks or max_tokens < 2:
         return None
     mx.async_eval(first)  # (so that reading it waits for the prefill, not for the block too)
