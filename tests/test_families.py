@@ -125,7 +125,7 @@ def test_queued_cycles_equal_greedy(tiny_dir, family):
 @pytest.mark.parametrize("options", [EngineOptions(), GPU_PATHS], ids=["cpu-paths", "gpu-paths"])
 def test_the_first_block_is_queued_behind_the_prefill(tiny_dir, options):
     """Where blocks queue ahead, the first block is in the caches before the prefill's token is
-    handed over (its graph built while the device prefills); elsewhere it is launched after."""
+    handed over (as mlx-lm queues its second step before reading its first); elsewhere after it."""
     model, tokenizer, prompt, reference = tiny_pair(tiny_dir / "first-block", "llama", "def fib(n):\n    return",
                                                     MAX_TOKENS)
     draft = create_random_draft(_config(model), num_layers=1, block_size=8, mask_token_id=MASK_ID)
