@@ -37,6 +37,7 @@ def test_bench_runs_and_writes_everything(tiny_dir, tmp_path):
                         ar_draft=ar_draft, out_dir=tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["summary"] == json.loads(json.dumps(summary))
+    assert saved["prompt_tokens"] == [len(p) for p in prompts] and saved["block_size"] == 16  # (tools/stalls.py)
     assert len(saved["runs"]) == 2 * 2 * 2 * 5  # prompts x lengths x repeats x methods
     for method in ("baseline", "mlx_lm_speculative_k2", "mlx_lm_speculative_k4", "dflash", "dflash_replay"):
         for length in (12, 20):

@@ -110,18 +110,24 @@ def test_policy_cycles(tmp_path):
 
 def test_stalls(tmp_path):
     """Per method: gaps, their median, the gaps over 2x their own text's median, the time those
-    took beyond it as a share of the decode time, those at a text's first response, and how far
-    the first gap runs past its text's median (the median over texts)."""
-    results = {"runs": [
+    took beyond it as a share of the decode time, those at a text's first response, how far the
+    first gap runs past its text's median (the median over texts), and those at a cycle whose
+    reads (the next block queued) first reach a 256-position key buffer: text 0's third cycle
+    (242 + 2 x 4 committed + 2 blocks of 4 > 256), not text 1's first (10 + 8)."""
+    results = {"block_size": 4, "prompt_tokens": [242, 10, 10], "runs": [
         {"method": "baseline", "prompt": 0, "decode_s": 0.05, "gaps": [0.004] * 9 + [0.010]},
-        {"method": "dflash", "prompt": 0, "decode_s": 0.05, "gaps": [0.006, 0.006, 0.030, 0.006]},
-        {"method": "dflash", "prompt": 1, "decode_s": 0.05, "gaps": [0.020, 0.008, 0.008]},
-        {"method": "dflash", "prompt": 2, "decode_s": 0.05, "gaps": [0.014, 0.010, 0.010]},
+        {"method": "dflash", "prompt": 0, "decode_s": 0.05, "gaps": [0.006, 0.006, 0.030, 0.006],
+         "acceptance_lengths": [4, 4, 4, 4]},
+        {"method": "dflash", "prompt": 1, "decode_s": 0.05, "gaps": [0.020, 0.008, 0.008], "acceptance_lengths": [4] * 3},
+        {"method": "dflash", "prompt": 2, "decode_s": 0.05, "gaps": [0.014, 0.010, 0.010], "acceptance_lengths": [4] * 3},
     ]}
     (tmp_path / "results.json").write_text(json.dumps(results))
     out = run_tool("stalls.py", str(tmp_path / "results.json"))
-    assert "| baseline | 1 | 10 | 4.00 | 1 | 6.0 | 12.0% | 0 | 0.0 | 0:10 |" in out
-    assert "| dflash | 3 | 10 | 9.00 | 2 | 36.0 | 24.0% | 1 | 4.0 | 0:3 1:1 |" in out
+    assert "| baseline | 1 | 10 | 4.00 | 1 | 6.0 | 12.0% | 0 | 0.0 | - | 0:10 |" in out
+    assert "| dflash | 3 | 10 | 9.00 | 2 | 36.0 | 24.0% | 1 | 4.0 | 1 | 0:3 1:1 |" in out
+    del results["prompt_tokens"]  # (an older bench's file: no prompt lengths, no key-buffer count)
+    (tmp_path / "older.json").write_text(json.dumps(results))
+    assert "| 24.0% | 1 | 4.0 | - | 0:3 1:1 |" in run_tool("stalls.py", str(tmp_path / "older.json"))
     for path, flags in ((tmp_path / "missing.json", []), (tmp_path / "results.json", ["--factor", "1"])):
         done = subprocess.run([sys.executable, str(TOOLS / "stalls.py"), str(path), *flags], capture_output=True,
                               text=True, timeout=300)

@@ -7,14 +7,16 @@
 mlx-lm's, a cycle of ours). Per method: the gaps, their median, the stalls (gaps over
 ``--factor`` times the median of their own text's gaps), the seconds the stalls took beyond that
 median, as a share of the method's decode time, how many came at a text's first response after
-its first token, how far that first gap runs past its text's median (the median over texts), and
-at which response of their text they came.
+its first token, how far that first gap runs past its text's median (the median over texts), how
+many came at a cycle that first reaches a longer key buffer (see ``first_reached_buffers``), and at
+which response of their text they came.
 A stall that every method meets alike (the machine busy elsewhere) costs no method its ratio; one
 that a method meets far more often (kernels built mid-text for a shape it alone runs, a policy
 reacting to a stall by switching sizes) is where that method loses time. (Where a cycle's cost
-grows with its block, as on a CPU, the adaptive policy's larger blocks count as stalls too. A
-text's first DFlash cycle holds the start of the engine's pipeline: two blocks built, the first
-with the device waiting; it often counts as a stall.)
+grows with its block, as on a CPU, the adaptive policy's larger blocks count as stalls too. Where
+blocks are not queued ahead, as on a CPU, a text's first DFlash cycle holds the start of the
+engine's pipeline: two blocks built, the first with the device waiting; it often counts as a
+stall. On GPUs the first block is queued behind the prefill.)
 """
 
 import argparse
@@ -41,11 +43,30 @@ def fail(message: str) -> int:
     return 2
 
 
-def report(runs: list[dict], factor: float) -> None:
+KEY_BUFFER = 256  # positions: KV caches grow, and GPU verifies read keys, in whole buffers of this many
+
+
+def first_reached_buffers(texts: list[dict], prompt_tokens: list[int], block_size: int) -> set[str]:
+    """The cycles ("prompt:response") whose key reads, with the next block queued behind them (as on
+    GPUs), first reach a buffer count no earlier cycle of the method reached: new shapes for a
+    compiled verify. Runs in the order the benchmark ran them."""
+    reached, found = 0, set()
+    for run in texts:
+        length = prompt_tokens[run["prompt"]]  # (the cache before the cycle: the prompt, then what was committed)
+        for i, committed in enumerate(run["acceptance_lengths"]):
+            buffers = -(-(length + 2 * block_size) // KEY_BUFFER)
+            if buffers > reached:
+                reached = buffers
+                found.add(f"{run['prompt']}:{i + 1}")
+            length += committed
+    return found
+
+
+def report(runs: list[dict], factor: float, prompt_tokens: list[int], block_size: int) -> None:
     print("| method | texts | gaps | median gap ms | stalls | stall ms beyond the median | share of the decode time "
           "| at a text's first response | first gap beyond its text's median (median of texts, ms) "
-          "| where (response of its text) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| at a key buffer first reached | where (response of its text) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     by_method = defaultdict(list)
     for run in runs:
         by_method[run["method"]].append(run)
@@ -61,20 +82,24 @@ def report(runs: list[dict], factor: float) -> None:
                     beyond += gap - usual
             gaps += run["gaps"]
         at_first = sum(place.endswith(":1") for place in where)
+        at_buffer = "-"
+        if prompt_tokens and all(run.get("acceptance_lengths") for run in texts):
+            at_buffer = len(first_reached_buffers(texts, prompt_tokens, block_size).intersection(where))
         shown = " ".join(where[:12]) + (f" (+{len(where) - 12})" if len(where) > 12 else "")
         print(f"| {method} | {len(texts)} | {len(gaps)} | {1000 * statistics.median(gaps):.2f} | {len(where)} "
               f"| {1000 * beyond:.1f} | {beyond / decode:.1%} | {at_first} | {1000 * statistics.median(first_beyond):.1f} "
-              f"| {shown or '-'} |")
+              f"| {at_buffer} | {shown or '-'} |")
 
 
 def main() -> None:
     args = parse_args()
     try:
-        _, runs = read_runs(args.results, "gaps",
+        results, runs = read_runs(args.results, "gaps",
                             "no run in this file kept the gaps between its responses (a results.json of an older bench?)")
     except DFlashError as error:
         sys.exit(fail(str(error)))
-    report(runs, args.factor)
+    # (prompt lengths: not in the results of an older bench, whose key-buffer column stays "-")
+    report(runs, args.factor, results.get("prompt_tokens", []), results.get("block_size", 16))
 
 
 if __name__ == "__main__":

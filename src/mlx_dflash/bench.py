@@ -420,7 +420,8 @@ def run_bench(model, tokenizer, prompts: list[list[int]], proposers: dict, cfg: 
             config["sampling"] = {"temp": s.temp, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
                                   "seed": s.seed, "logits_processors": len(s.logits_processors)}
         (out_dir / "results.json").write_text(json.dumps(
-            {"config": config, "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
+            {"config": config, "block_size": block, "prompt_tokens": [len(prompt) for prompt in prompts],
+             "summary": summary, "runs": [asdict(r) for r in runs]}, indent=1))
         (out_dir / "results.md").write_text(markdown_table(summary) + "\n")
         plot(summary, out_dir)
     return summary
