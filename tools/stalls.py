@@ -13,10 +13,9 @@ which response of their text they came.
 A stall that every method meets alike (the machine busy elsewhere) costs no method its ratio; one
 that a method meets far more often (kernels built mid-text for a shape it alone runs, a policy
 reacting to a stall by switching sizes) is where that method loses time. (Where a cycle's cost
-grows with its block, as on a CPU, the adaptive policy's larger blocks count as stalls too. Where
-blocks are not queued ahead, as on a CPU, a text's first DFlash cycle holds the start of the
-engine's pipeline: two blocks built, the first with the device waiting; it often counts as a
-stall. On GPUs the first block is queued behind the prefill.)
+grows with its block, as on a CPU, the adaptive policy's larger blocks count as stalls too. On
+GPUs the first block is queued behind the prefill, so a text's first cycle does not wait for its
+graph to be built.)
 """
 
 import argparse
@@ -26,6 +25,7 @@ from collections import defaultdict
 
 from mlx_dflash import DFlashError
 from mlx_dflash.bench import read_runs
+from mlx_dflash.rollback import padded
 
 
 def parse_args() -> argparse.Namespace:
@@ -43,20 +43,17 @@ def fail(message: str) -> int:
     return 2
 
 
-KEY_BUFFER = 256  # positions: KV caches grow, and GPU verifies read keys, in whole buffers of this many
-
-
 def first_reached_buffers(texts: list[dict], prompt_tokens: list[int], block_size: int) -> set[str]:
     """The cycles ("prompt:response") whose key reads, with the next block queued behind them (as on
-    GPUs), first reach a buffer count no earlier cycle of the method reached: new shapes for a
+    GPUs), first reach a buffer size no earlier cycle of the method reached: new shapes for a
     compiled verify. Runs in the order the benchmark ran them."""
     reached, found = 0, set()
     for run in texts:
         length = prompt_tokens[run["prompt"]]  # (the cache before the cycle: the prompt, then what was committed)
         for i, committed in enumerate(run["acceptance_lengths"]):
-            buffers = -(-(length + 2 * block_size) // KEY_BUFFER)
-            if buffers > reached:
-                reached = buffers
+            reads = padded(length + 2 * block_size)  # (the engine's buffer size: mlx-lm's cache step)
+            if reads > reached:
+                reached = reads
                 found.add(f"{run['prompt']}:{i + 1}")
             length += committed
     return found
