@@ -52,6 +52,34 @@ def test_proposals_come_from_the_draft_vocabulary_and_output_stays_exact(tiny_di
     assert result.tokens == reference
 
 
+@pytest.mark.parametrize("queued", [False, True])
+def test_options_can_draft_through_the_whole_head_instead(tiny_dir, queued):
+    """``EngineOptions(draft_vocab=False)``: greedy drafts are the whole head's argmax (ids
+    outside the draft vocabulary too), alone and in a batch, and the output stays the target's."""
+    from mlx_dflash.batch import BatchDecoder, batch_generate
+    from mlx_dflash.options import EngineOptions
+
+    model, tokenizer, prompt, reference, draft, target, _ = vocab_pair(tiny_dir, "vocab-off-qwen3", 0)
+    options = EngineOptions(draft_vocab=False, queue_ahead=queued, compile_blocks=queued, pad_reads=queued)
+    whole = DFlashProposer(draft)
+    whole.start(Target(model, draft.config.target_layer_ids, options))
+    _, features = whole.target(mx.array(prompt)[None], whole.target.make_cache())
+    whole.add_context(features)
+    first = mx.array([5], dtype=mx.uint32)
+    hidden = whole._slot_hidden(first, 7)[0]
+    drafted = whole.propose(first, 7).tolist()
+    assert drafted == mx.argmax(draft.scale_logits(whole.target.head(hidden)), axis=-1).tolist()
+    assert any(t not in draft.config.draft_vocab for t in drafted)
+    assert generate(model, tokenizer, prompt, draft, max_tokens=30, options=options).tokens == reference
+    decoder = BatchDecoder(model, draft, 8, None, None, options)
+    assert decoder.draft_vocab is None and BatchDecoder(model, draft, 8).draft_vocab is not None
+    rows = [decoder.add(mx.array(p), 30) for p in (prompt, prompt[:5])]
+    while decoder.rows:
+        decoder.step()
+    assert rows[0].tokens == reference
+    assert rows[1].tokens == batch_generate(model, [prompt[:5]], draft, [30])[0]
+
+
 def test_a_tree_takes_its_candidates_from_the_draft_vocabulary(tiny_dir):
     """Trees draft through the draft vocabulary's smaller head too: every node's token is one
     of its ids, and the output is still the target's."""
@@ -93,3 +121,17 @@ def test_frequent_tokens_counts_responses_only():
     records = [{"prompt_len": 2, "tokens": [9, 9, 5, 5, 5, 7]}, {"prompt_len": 1, "tokens": [9, 7, 3]}]
     assert frequent_tokens(records, 2) == [5, 7]
     assert frequent_tokens(records, 10) == [3, 5, 7]
+
+
+def test_the_draft_vocabulary_is_used_off_nvidia_gpus_only(monkeypatch):
+    """Measured as fast with the whole head on NVIDIA GPUs (and a few drafts more accepted);
+    the CPU and Apple GPUs keep the smaller head. Set, the switch holds on any backend."""
+    from mlx_dflash import options as options_module
+    from mlx_dflash.options import EngineOptions
+
+    assert EngineOptions().resolved().draft_vocab is True
+    monkeypatch.setattr(options_module, "on_gpu", lambda: True)  # (Metal)
+    assert EngineOptions().resolved().draft_vocab is True
+    monkeypatch.setattr(options_module, "on_cuda", lambda: True)
+    assert EngineOptions().resolved().draft_vocab is False
+    assert EngineOptions(draft_vocab=True).resolved().draft_vocab is True

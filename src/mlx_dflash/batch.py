@@ -39,6 +39,7 @@ from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
 from .policy import BlockPolicy, CycleClock, check_block_size
 from .prefix_cache import PrefixCache
+from .proposer import used_draft_vocab
 from .sampling import SamplingParams, draft_tokens, first_token, verify
 from .target import Target, check_compatible
 
@@ -120,9 +121,8 @@ class BatchDecoder:
         self.block_size = block_size or draft.block_size
         check_block_size(self.block_size, draft.block_size)
         self.mask_id = draft.config.mask_token_id
-        vocab = draft.config.draft_vocab  # (greedy drafts pick among it: a smaller head)
-        self.draft_vocab = mx.array(vocab, dtype=mx.uint32) if vocab else None
-        self.draft_head = self.target.head_rows(self.draft_vocab) if vocab else self.target.head
+        self.draft_vocab = used_draft_vocab(draft, self.target.options)  # (greedy drafts pick among it: a smaller head)
+        self.draft_head = self.target.head if self.draft_vocab is None else self.target.head_rows(self.draft_vocab)
         self.prefix_cache = prefix_cache  # prompts' states kept for later prompts that start with them
         # Each cycle's block size for all rows, from measured speed (``policy.py``; None: full blocks):
         # one forward of many rows costs as much for plain steps as for blocks only on a GPU.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .device import on_gpu
+from .device import on_cuda, on_gpu
 
 CPU_COMPILED_BLOCK = 8  # the longest block compiled on the CPU: longer ones measured slower compiled there
 
@@ -42,6 +42,9 @@ class EngineOptions:
     join_behind: a row that joins a batch while a cycle is queued is prefilled behind it, nothing
         read as it joins; the next step reads its first token and it merges into the cycle after
         (GPUs; off: the queued cycle is read first, then the row prefilled and merged).
+    draft_vocab: greedy drafts pick among the draft's vocabulary, where it has one, through a
+        head of just those rows (a smaller head: the CPU, Apple GPUs); off: among every id,
+        through the whole head (NVIDIA GPUs: as fast a cycle there, and a few drafts more accepted).
     """
 
     queue_ahead: Optional[bool] = None
@@ -55,6 +58,7 @@ class EngineOptions:
     device_trees: Optional[bool] = None
     pad_rows: Optional[bool] = None
     join_behind: Optional[bool] = None
+    draft_vocab: Optional[bool] = None
 
     def resolved(self) -> "EngineOptions":
         """These options with every ``None`` decided for the backend MLX runs on now
@@ -67,7 +71,8 @@ class EngineOptions:
         return replace(self, queue_ahead=pick(self.queue_ahead), pad_reads=pick(self.pad_reads),
                        compile_draft=pick(self.compile_draft), pack_draft=pick(self.pack_draft),
                        device_trees=pick(self.device_trees), pad_rows=pick(self.pad_rows),
-                       join_behind=pick(self.join_behind))
+                       join_behind=pick(self.join_behind),
+                       draft_vocab=not on_cuda() if self.draft_vocab is None else self.draft_vocab)
 
     def longest_compiled_block(self, padded_block: int) -> int:
         """Blocks of 2..this many tokens run compiled (0: none)."""

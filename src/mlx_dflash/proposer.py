@@ -13,6 +13,7 @@ from typing import Optional, Protocol, Union
 import mlx.core as mx
 
 from .draft import DFlashDraft
+from .options import EngineOptions
 from .target import Target
 
 
@@ -59,6 +60,13 @@ class Proposer(Protocol):
         """Continue from a stored context of ``positions`` tokens (``context_caches``' copy)."""
 
 
+def used_draft_vocab(draft: DFlashDraft, options: EngineOptions) -> Optional[mx.array]:
+    """The ids greedy drafts pick among: the draft's vocabulary where it has one and ``options``
+    use it (``EngineOptions.draft_vocab``); None: every id."""
+    vocab = draft.config.draft_vocab
+    return mx.array(vocab, dtype=mx.uint32) if vocab and options.draft_vocab else None
+
+
 class DFlashProposer:
     """Greedy block drafts from a DFlash draft model, using the target's embedding and head."""
 
@@ -67,15 +75,14 @@ class DFlashProposer:
         self.layer_ids = draft.config.target_layer_ids
         self.block_size = draft.block_size
         self.mask_id = mx.array([draft.config.mask_token_id], dtype=mx.uint32)
-        vocab = draft.config.draft_vocab
-        self.draft_vocab = mx.array(vocab, dtype=mx.uint32) if vocab else None
 
     def start(self, target: Target) -> None:
         self.target = target
         self.options = target.options  # (resolved for this backend: how draft passes run)
         self.cache = self.draft.make_cache(self.options.pad_reads)
         self.single: list[mx.array] = []  # tapped features of single tokens (plain steps), not stored yet
-        # greedy drafts pick among the draft vocabulary only (when it has one): a smaller head
+        # greedy drafts pick among the draft vocabulary only (when it has one and the options use it): a smaller head
+        self.draft_vocab = used_draft_vocab(self.draft, self.options)
         self.vocab_head = target.head_rows(self.draft_vocab) if self.draft_vocab is not None else None
 
     def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
