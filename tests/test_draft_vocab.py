@@ -9,6 +9,7 @@ import pytest
 from tiny_models import MASK_ID, load_tiny, make_tiny_target, tiny_pair
 
 from mlx_dflash import create_random_draft, generate, load_draft
+from mlx_dflash.draft import to_dflash2
 from mlx_dflash.draft_io import save_draft
 from mlx_dflash.proposer import DFlashProposer
 from mlx_dflash.errors import DFlashError
@@ -70,7 +71,12 @@ def test_options_can_draft_through_the_whole_head_instead(tiny_dir, queued):
     drafted = whole.propose(first, 7).tolist()
     assert drafted == mx.argmax(draft.scale_logits(whole.target.head(hidden)), axis=-1).tolist()
     assert any(t not in draft.config.draft_vocab for t in drafted)
-    assert generate(model, tokenizer, prompt, draft, max_tokens=30, options=options).tokens == reference
+    v2 = DFlashProposer(to_dflash2(draft))  # (its selector walks the whole head's top candidates)
+    v2.start(whole.target)
+    v2.use_context(whole.context_caches(), len(prompt))
+    assert v2.propose(first, 7).tolist() == drafted
+    for proposer in (draft, v2.draft):
+        assert generate(model, tokenizer, prompt, proposer, max_tokens=30, options=options).tokens == reference
     decoder = BatchDecoder(model, draft, 8, None, None, options)
     assert decoder.draft_vocab is None and BatchDecoder(model, draft, 8).draft_vocab is not None
     rows = [decoder.add(mx.array(p), 30) for p in (prompt, prompt[:5])]
