@@ -219,3 +219,24 @@ def test_only_mlx_lms_own_functions_with_their_known_parameters_are_rebound(tiny
     monkeypatch.setitem(cpu_kernels.MLX_LM_FUNCTIONS, "scaled_dot_product_attention", changed)
     monkeypatch.setitem(mlx_lm_llama.__dict__, "scaled_dot_product_attention", changed)
     assert {type(own).__name__ for _, _, own, _ in BlockKernels(model).swaps} == {"RoPE"}
+
+
+def test_a_blocks_causal_mask_is_kept_per_thread():
+    """The mask is built lazily on its thread's stream: another thread (a server's model thread
+    beside a caller's) gets its own, never an array that thread has not evaluated; one thread's
+    layers share one."""
+    import threading
+
+    from mlx_dflash.cpu_kernels import _causal_mask
+
+    def mask() -> mx.array:
+        return _causal_mask(16, 300, 3, threading.get_ident())
+
+    mine = mask()
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append((mask(), mask(), np.array(mask()))))
+    worker.start()
+    worker.join()
+    assert theirs[0][0] is theirs[0][1] and mine is mask()
+    assert theirs[0][0] is not mine  # (evaluating the other thread's here would fail: its stream is not this thread's)
+    assert np.array_equal(theirs[0][2], np.array(mine))

@@ -132,7 +132,7 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     q = (queries * scale).reshape(B, n_kv_heads, repeats * L, D)  # rows: (query head, position)
     scores = q @ keys.swapaxes(-1, -2)  # [B, kv heads, repeats * L, S]
     if isinstance(mask, str):  # "causal": the block's queries are the last L positions
-        mask = _causal_mask(L, S, repeats)
+        mask = _causal_mask(L, S, repeats, threading.get_ident())
     elif mask is not None:
         if mask.ndim == 4:  # [B or 1, heads or 1, L, S]: the stacked heads' layout
             mask = mx.broadcast_to(mask, (mask.shape[0], n_heads, L, S))
@@ -150,9 +150,10 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 @lru_cache(maxsize=4)
-def _causal_mask(length: int, keys: int, repeats: int) -> mx.array:
+def _causal_mask(length: int, keys: int, repeats: int, thread: int) -> mx.array:
     """[repeats * length, keys]: the last ``length`` positions' causal mask, once per query
-    head sharing a key head (made once for all the layers of a forward)."""
+    head sharing a key head (made once for all the layers of a forward; kept per thread, as
+    ``rope``'s tables are: it is built lazily on its thread's stream)."""
     return mx.tile(mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None], (repeats, 1))
 
 
