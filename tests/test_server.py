@@ -566,6 +566,7 @@ def test_load_64_requests_from_16_clients(server):
     solo generation, each seeded one its reply when asked again alone, and the server still
     reports itself healthy with an empty batch."""
     base, model, tokenizer, draft = server
+    cancelled = httpx.get(base + "/health").json()["cancelled"]
     jobs = [([{"role": "user", "content": f"request {i}: " + "tell me more " * (i % 5)}], 4 + 7 * (i % 4), i % 4 == 3,
              i % 2 == 0) for i in range(64)]  # (messages, max_tokens, sampled, streamed)
     expected = {i: expected_chat(model, tokenizer, draft, m, n).text for i, (m, n, sampled, _) in enumerate(jobs)
@@ -599,6 +600,11 @@ def test_load_64_requests_from_16_clients(server):
     assert health["batch"]["peak_rows"] > 4  # (the greedy requests were decoded together)
     sizes = {int(size): cycles for size, cycles in health["batch"]["block_sizes"].items()}
     assert sizes and all(1 <= size <= 16 for size in sizes) and sum(sizes.values()) >= health["batch"]["cycles"] // 2
+    # The leaver's generation ends too, before the next test computes on its own thread beside this server's.
+    deadline = time.monotonic() + 30
+    while httpx.get(base + "/health").json()["cancelled"] == cancelled and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(base + "/health").json()["cancelled"] == cancelled + 1
 
 
 def test_a_request_whose_prefill_fails_fails_alone(tiny_dir):
