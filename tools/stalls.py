@@ -92,7 +92,7 @@ def main() -> None:
     args = parse_args()
     try:
         results, runs = read_runs(args.results, "gaps",
-                            "no run in this file kept the gaps between its responses (a results.json of an older bench?)")
+                                  "no run in this file kept the gaps between its responses (a results.json of an older bench?)")
     except DFlashError as error:
         sys.exit(fail(str(error)))
     # (prompt lengths: not in the results of an older bench, whose key-buffer column stays "-")

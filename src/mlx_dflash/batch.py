@@ -39,7 +39,7 @@ from .errors import DFlashError
 from .options import DEFAULT_OPTIONS, EngineOptions
 from .policy import BlockPolicy, CycleClock, check_block_size
 from .prefix_cache import PrefixCache
-from .proposer import used_draft_vocab
+from .proposer import greedy_head
 from .sampling import SamplingParams, draft_tokens, first_token, verify
 from .target import Target, check_compatible
 
@@ -121,8 +121,7 @@ class BatchDecoder:
         self.block_size = block_size or draft.block_size
         check_block_size(self.block_size, draft.block_size)
         self.mask_id = draft.config.mask_token_id
-        self.draft_vocab = used_draft_vocab(draft, self.target.options)  # (greedy drafts pick among it: a smaller head)
-        self.draft_head = self.target.head if self.draft_vocab is None else self.target.head_rows(self.draft_vocab)
+        self.draft_vocab, self.draft_head = greedy_head(draft, self.target)
         self.prefix_cache = prefix_cache  # prompts' states kept for later prompts that start with them
         # Each cycle's block size for all rows, from measured speed (``policy.py``; None: full blocks):
         # one forward of many rows costs as much for plain steps as for blocks only on a GPU.

@@ -8,12 +8,11 @@ planted mistakes.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 import mlx.core as mx
 
 from .draft import DFlashDraft
-from .options import EngineOptions
 from .target import Target
 
 
@@ -60,11 +59,15 @@ class Proposer(Protocol):
         """Continue from a stored context of ``positions`` tokens (``context_caches``' copy)."""
 
 
-def used_draft_vocab(draft: DFlashDraft, options: EngineOptions) -> Optional[mx.array]:
-    """The ids greedy drafts pick among: the draft's vocabulary where it has one and ``options``
-    use it (``EngineOptions.draft_vocab``); None: every id."""
+def greedy_head(draft: DFlashDraft, target: Target) -> tuple[Optional[mx.array], Callable[[mx.array], mx.array]]:
+    """(the ids greedy drafts pick among, None: every id; the head that scores them): the draft's
+    vocabulary and a head of just those rows where it has one and the target's options use it
+    (``EngineOptions.draft_vocab``), else the target's whole head."""
     vocab = draft.config.draft_vocab
-    return mx.array(vocab, dtype=mx.uint32) if vocab and options.draft_vocab else None
+    if not (vocab and target.options.draft_vocab):
+        return None, target.head
+    ids = mx.array(vocab, dtype=mx.uint32)
+    return ids, target.head_rows(ids)
 
 
 class DFlashProposer:
@@ -81,9 +84,7 @@ class DFlashProposer:
         self.options = target.options  # (resolved for this backend: how draft passes run)
         self.cache = self.draft.make_cache(self.options.pad_reads)
         self.single: list[mx.array] = []  # tapped features of single tokens (plain steps), not stored yet
-        # greedy drafts pick among the draft vocabulary only (when it has one and the options use it): a smaller head
-        self.draft_vocab = used_draft_vocab(self.draft, self.options)
-        self.vocab_head = target.head_rows(self.draft_vocab) if self.draft_vocab is not None else None
+        self.draft_vocab, self.draft_head = greedy_head(self.draft, target)
 
     def add_context(self, features: mx.array, kept: Union[None, int, mx.array] = None) -> None:
         if isinstance(kept, int):
@@ -149,8 +150,7 @@ class DFlashProposer:
     def _greedy_logits(self, first_token: mx.array, num_tokens: int) -> tuple[mx.array, mx.array]:
         """(the slots' hidden states, their logits over the draft vocabulary or the whole one)."""
         hidden = self._slot_hidden(first_token, num_tokens)[0]
-        head = self.target.head if self.vocab_head is None else self.vocab_head
-        return hidden, self.draft.scale_logits(head(hidden))
+        return hidden, self.draft.scale_logits(self.draft_head(hidden))
 
     def propose(self, first_token: mx.array, num_tokens: int) -> mx.array:
         """Greedy drafts (one draft pass), from the draft vocabulary if it has one; a DFlash2
