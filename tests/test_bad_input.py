@@ -99,8 +99,8 @@ def test_generation_is_bounded_by_the_context(pair):
 def test_a_model_without_a_shipped_draft_fails_before_any_download(pair, home, capsys):
     model, _ = pair
     assert "no draft ships for" in one_error_line(capsys, main(["generate", "--model", model]))
-    assert "no draft ships for 'qwen2.5-coder-1.5b'" in one_error_line(
-        capsys, main(["generate", "--model", "qwen2.5-coder-1.5b"]))
+    assert "no draft ships for 'qwen2.5-coder-0.5b'" in one_error_line(
+        capsys, main(["generate", "--model", "qwen2.5-coder-0.5b"]))
     assert not home.exists()
 
 

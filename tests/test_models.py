@@ -159,3 +159,14 @@ def test_requantized_conversion_loads_and_generates(smollm2, tmp_path):
     ids = reference("smollm2-135m")["generations"][0]["prompt_ids"]
     text = tokenizer.decode([t for t, _ in generate_step(mx.array(ids), model, max_tokens=8)])
     assert "Paris" in text or "capital" in text, text
+
+
+@pytest.mark.parametrize("folder", sorted(p for p in models.SHIPPED_DRAFTS.iterdir() if p.is_dir()), ids=lambda p: p.name)
+def test_each_shipped_draft_loads_for_its_registered_model_within_the_package_limits(folder):
+    assert folder.name in models.REGISTRY and models.shipped_draft(folder.name) == str(folder)
+    files = [f for f in folder.iterdir() if f.is_file()]
+    assert max(f.stat().st_size for f in files) <= 25 * 2**20 and sum(f.stat().st_size for f in files) <= 50 * 2**20
+    from mlx_dflash import load_draft
+
+    draft = load_draft(str(folder))
+    assert draft.config.draft_vocab is None or len(draft.config.draft_vocab) < draft.config.vocab_size

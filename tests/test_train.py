@@ -15,7 +15,7 @@ from tiny_models import MASK_ID, greedy_reference, load_tiny, make_tiny_target
 from mlx.utils import tree_flatten
 
 from mlx_dflash import DFlashError, create_random_draft, generate, load_draft
-from mlx_dflash.data import (_function_header, build_dataset, greedy_batch, package_prompts, read_sequences,
+from mlx_dflash.data import (_function_header, answer_order, build_dataset, greedy_batch, package_prompts, read_sequences,
                              stdlib_prompts)
 from mlx_dflash.train import (TrainConfig, context_visibility, held_out_and_training_records, make_batch,
                               read_training_records, split_held_out, train)
@@ -232,6 +232,18 @@ def test_batched_greedy_equals_mlx_lm_greedy(tiny_dir, family):
     cut = greedy_batch(model, prompts, 24, eos_ids={stop})
     for got, ref in zip(cut, references):
         assert got == (ref[: ref.index(stop) + 1] if stop in ref else ref)
+
+
+def test_prompts_are_answered_in_windows_sorted_by_length_so_a_stopped_run_holds_every_length():
+    lengths = [(7 * i) % 40 + 1 for i in range(100)]  # shuffled lengths 1..40
+    todo = [(i, [5] * n) for i, n in enumerate(lengths)]
+    order = answer_order(todo, batch_size=4, batches_per_window=2)
+    assert sorted(order) == sorted(todo)
+    for start in range(0, 100, 8):  # each window: the next 8 prompts, shortest first
+        window = order[start : start + 8]
+        assert sorted(i for i, _ in window) == list(range(start, min(start + 8, 100)))
+        assert [len(ids) for _, ids in window] == sorted(len(ids) for _, ids in window)
+    assert max(len(ids) for _, ids in order[:8]) > sorted(lengths)[7]  # not just the shortest prompts
 
 
 @pytest.fixture(scope="module")

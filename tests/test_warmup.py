@@ -39,6 +39,14 @@ def test_warmup_changes_no_greedy_token(pair, options, adaptive):
     assert result.tokens == reference
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_blocks_of_one_warm_up_and_decode_the_greedy_tokens(pair, adaptive):
+    _, model, tokenizer, draft, prompt, reference = pair
+    result = generate(model, tokenizer, prompt, draft, max_tokens=MAX_TOKENS, block_size=1, adaptive=adaptive,
+                      options=GPU_PATHS, warmup=True)
+    assert result.tokens == reference
+
+
 def test_warmup_changes_no_seeded_sample(pair):
     _, model, tokenizer, draft, prompt, _ = pair
     sampling = SamplingParams(temp=0.8, seed=7)

@@ -273,9 +273,11 @@ def greedy_batch(model, prompts: list[list[int]], max_tokens: int, eos_ids: set[
     padding = [longest - len(p) for p in prompts]
     cache = _batch_cache(model, padding)
     tokens = mx.array([[0] * pad + p for pad, p in zip(padding, prompts)])
-    for start in range(0, longest, prefill_chunk):
-        logits = model(tokens[:, start : start + prefill_chunk], cache=cache)
-    next_tokens = mx.argmax(logits[:, -1], axis=-1)
+    # All but the last position fill the caches (their logits are never evaluated); the last one
+    # alone gives the first token, so no (rows x chunk x vocabulary) logits are ever held.
+    for start in range(0, longest - 1, prefill_chunk):
+        model(tokens[:, start : min(start + prefill_chunk, longest - 1)], cache=cache)
+    next_tokens = mx.argmax(model(tokens[:, -1:], cache=cache)[:, -1], axis=-1)
     mx.async_eval(next_tokens)
     steps, stopped, eos = [], np.zeros(len(prompts), bool), np.array(sorted(eos_ids))
     for step in range(max_tokens):
@@ -294,6 +296,16 @@ def greedy_batch(model, prompts: list[list[int]], max_tokens: int, eos_ids: set[
     return responses
 
 
+def answer_order(todo: list[tuple[int, list[int]]], batch_size: int, batches_per_window: int = 16) -> list:
+    """The (id, prompt ids) pairs in the order they are answered: windows of ``batches_per_window``
+    batches taken in the prompts' order, each sorted by length. A batch's rows then have similar
+    lengths (little padding), and a run stopped early holds prompts of every length, not only the
+    shortest (the long code-completion prompts among them)."""
+    window = batch_size * batches_per_window
+    return [item for start in range(0, len(todo), window)
+            for item in sorted(todo[start : start + window], key=lambda item: len(item[1]))]
+
+
 def build_dataset(model, tokenizer, prompts: list[str], out_dir: str | Path, max_tokens: int = 256,
                   batch_size: int = 64) -> Path:
     """Generate greedy responses for ``prompts`` (resumable: done ids are skipped)."""
@@ -305,8 +317,7 @@ def build_dataset(model, tokenizer, prompts: list[str], out_dir: str | Path, max
         records = read_sequences(out)
         path.write_text("".join(json.dumps(r) + "\n" for r in records))
         done = {r["id"] for r in records}
-    todo = [(i, encode_chat(tokenizer, p)) for i, p in enumerate(prompts) if i not in done]
-    todo.sort(key=lambda item: len(item[1]))  # similar lengths share a batch: little padding
+    todo = answer_order([(i, encode_chat(tokenizer, p)) for i, p in enumerate(prompts) if i not in done], batch_size)
     eos_ids = set(tokenizer.eos_token_ids)
     written = 0  # response tokens written by this run
     with open(path, "a") as sink, tqdm(total=len(prompts), initial=len(prompts) - len(todo),

@@ -64,7 +64,8 @@ def adaptive_script(block_size: int, tree_budgets: Sequence[int] = ()) -> list[i
     """Each candidate size (trees too), largest first, ``REPEATS`` times; plain steps with a
     forecast and without; then a block again right after plain steps."""
     sizes = [size for size in reversed(candidate_sizes(block_size, tree_budgets)) if size > 1]
-    return [size for size in sizes for _ in range(REPEATS)] + [0, 1, 1, block_size, block_size]
+    forecast = [0] if block_size > 1 else []  # (blocks of one draft nothing: no forecast either)
+    return [size for size in sizes for _ in range(REPEATS)] + forecast + [1, 1, block_size, block_size]
 
 
 def long_prompt_length(target: Target, proposer: Proposer) -> int:
