@@ -16,7 +16,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
-from mlx_dflash import DFlashError, create_random_draft, generate, models
+from mlx_dflash import DFlashError, create_random_draft, generate, load_draft, models
 
 REFERENCE = Path(__file__).parent / "reference"
 LARGE = ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m")
@@ -166,7 +166,5 @@ def test_each_shipped_draft_loads_for_its_registered_model_within_the_package_li
     assert folder.name in models.REGISTRY and models.shipped_draft(folder.name) == str(folder)
     files = [f for f in folder.iterdir() if f.is_file()]
     assert max(f.stat().st_size for f in files) <= 25 * 2**20 and sum(f.stat().st_size for f in files) <= 50 * 2**20
-    from mlx_dflash import load_draft
-
     draft = load_draft(str(folder))
     assert draft.config.draft_vocab is None or len(draft.config.draft_vocab) < draft.config.vocab_size
