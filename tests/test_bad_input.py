@@ -136,6 +136,15 @@ def test_bad_train_arguments_fail_before_loading(tmp_path, capsys, flags, words)
     assert words in one_error_line(capsys, code)
 
 
+def test_completion_only_refuses_a_prompts_file(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Write a function.\n")
+    code = main(["data", "--model", "/no/such/model", "--out", str(tmp_path / "d"), "--prompts", str(prompts),
+                 "--completion-only"])
+    assert "--completion-only chooses among the docstring prompts" in one_error_line(capsys, code)
+    assert not (tmp_path / "d").exists()
+
+
 @pytest.mark.parametrize("command", [["train", "--data", "x"], ["data"], ["bench"], ["quantize", "x"]])
 def test_an_output_folder_that_is_a_file_fails_before_any_work(tmp_path, capsys, command):
     """(``bench`` writes its folder at the end of a long run: it must not fail there.)"""

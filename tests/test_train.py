@@ -148,6 +148,14 @@ def test_package_prompts_come_from_installed_packages():
         package_prompts(["no_such_package"])
 
 
+def test_completion_only_keeps_just_the_requests_to_complete_a_function():
+    every = package_prompts(["tqdm"])
+    completions = package_prompts(["tqdm"], completion_only=True)
+    assert 10 < len(completions) < len(every) and set(completions) < set(every)
+    assert all("```python\ndef " in p for p in completions)
+    assert all(p in completions for p in every if "```python\ndef " in p)
+
+
 def test_package_prompts_skip_objects_that_raise_when_inspected(tmp_path, monkeypatch):
     """Django's unconfigured settings raise on any attribute read, its lazy translations on
     repr: such objects (and headers showing them) are left out, not the whole package."""

@@ -277,6 +277,9 @@ def _add_data(sub) -> None:
                    help="a .jsonl with a 'prompt' per line or a text file, one per line (default: stdlib docstrings)")
     p.add_argument("--prompt-packages", nargs="+", default=None, metavar="PACKAGE",
                    help="instead of the stdlib, prompts from the docstrings of these installed packages")
+    p.add_argument("--completion-only", action="store_true",
+                   help="of the docstring prompts, only the requests to complete a function from its header "
+                        "and docstring (the shape of HumanEval's)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=256, help="response length cap")
     p.add_argument("--batch-size", type=int, default=64)
@@ -294,12 +297,14 @@ def _run_data(args) -> None:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.prompts and args.prompt_packages:
         raise DFlashError("pass --prompts or --prompt-packages, not both")
+    if args.prompts and args.completion_only:
+        raise DFlashError("--completion-only chooses among the docstring prompts, not a --prompts file")
     if args.prompts:
         prompts = read_prompts(args.prompts)
     elif args.prompt_packages:
-        prompts = package_prompts(args.prompt_packages)
+        prompts = package_prompts(args.prompt_packages, completion_only=args.completion_only)
     else:
-        prompts = stdlib_prompts()
+        prompts = stdlib_prompts(completion_only=args.completion_only)
     prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
     model, tokenizer = load_target(args.model or DEFAULT_MODEL)
     print(build_dataset(model, tokenizer, prompts, args.out, args.max_tokens, args.batch_size))

@@ -167,10 +167,11 @@ def _package_modules(package: str) -> list[str]:
     return sorted(names)
 
 
-def module_prompts(module_names: list[str], seed: int = 0) -> list[str]:
+def module_prompts(module_names: list[str], seed: int = 0, completion_only: bool = False) -> list[str]:
     """Deterministic, de-duplicated prompts from these modules' docstrings: code questions in
-    ``TEMPLATES`` about every documented public function, class and method, and requests to
-    complete each function from its header and docstring (``COMPLETION_TEMPLATES``)."""
+    ``TEMPLATES`` about every documented public function, class and method (unless
+    ``completion_only``), and requests to complete each function from its header and docstring
+    (``COMPLETION_TEMPLATES``)."""
     prompts = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # some modules and docstrings warn about their own deprecation
@@ -180,7 +181,8 @@ def module_prompts(module_names: list[str], seed: int = 0) -> list[str]:
                 continue
             for name, qualname, doc, obj in _documented_objects(module_name, module):
                 fields = {"doc": doc, "name": name, "qualname": qualname, "lower_doc": doc[0].lower() + doc[1:]}
-                prompts += [t.format(**fields) for t in TEMPLATES]
+                if not completion_only:
+                    prompts += [t.format(**fields) for t in TEMPLATES]
                 header = None if inspect.isclass(obj) else _function_header(name, obj)
                 if header is not None:
                     prompts += [t.format(header=header) for t in COMPLETION_TEMPLATES]
@@ -189,15 +191,16 @@ def module_prompts(module_names: list[str], seed: int = 0) -> list[str]:
     return prompts
 
 
-def stdlib_prompts(seed: int = 0) -> list[str]:
+def stdlib_prompts(seed: int = 0, completion_only: bool = False) -> list[str]:
     """Prompts from this Python's standard library (always present, offline)."""
     names = sorted(n for n in sys.stdlib_module_names if not n.startswith("_") and n not in SKIPPED_MODULES)
-    return module_prompts(names, seed)
+    return module_prompts(names, seed, completion_only)
 
 
-def package_prompts(packages: list[str], seed: int = 0) -> list[str]:
+def package_prompts(packages: list[str], seed: int = 0, completion_only: bool = False) -> list[str]:
     """Prompts from installed packages (e.g. numpy, scipy): more code, beyond the stdlib."""
-    return module_prompts([name for package in packages for name in _package_modules(package)], seed)
+    return module_prompts([name for package in packages for name in _package_modules(package)], seed,
+                          completion_only)
 
 
 def read_prompts(path: str) -> list[str]:
