@@ -29,6 +29,9 @@
 #   trees-long    the default pair (float32) at LENGTHS tokens: chains, the adaptive policy with the tree of 64
 #                 allowed, every full block a tree of 64, then where the adaptive run's time went size by size
 #                 (tools/policy_cycles.py)
+#   coder-1.5b    Qwen2.5-Coder-1.5B-Instruct and its shipped draft (bfloat16, float32, and the target in 4 bits),
+#                 HumanEval at LENGTHS tokens, beside mlx-lm's speculative decoding with the 0.5B sibling at
+#                 2, 3, 4, 6 and 8 draft tokens a step (the same dtype; its 4-bit copy for the 4-bit target)
 #   joins         the batch decoder alone at 8 clients x 8 requests (bfloat16), rows prefilled behind the queued
 #                 cycle (EngineOptions.join_behind, the GPU default) against rows joining after it is read,
 #                 alternating, three times each (the batch only: its one-at-a-time runs are in the serve part)
@@ -138,6 +141,16 @@ for part in "${PARTS[@]}"; do
             --join-behind $way | tee "$RESULTS/joins-$way-$run.txt"
         done
       done ;;
-    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, serve-rounds, stream-interval, switch-interval, attention, trees-long, joins)" >&2; exit 2 ;;
+    coder-1.5b)
+      CODER_DRAFT=$(python3 -c "from mlx_dflash.models import shipped_draft; print(shipped_draft('qwen2.5-coder-1.5b'))")
+      for variant in bfloat16 float32 bfloat16:4; do
+        dtype=${variant%:*} quant=(); [ "$variant" != "$dtype" ] && quant=(--quantize ${variant#*:})
+        name=coder-1.5b-$dtype${quant[1]:+-q${quant[1]}}
+        model=$(mlx-dflash models fetch qwen2.5-coder-1.5b --dtype "$dtype" "${quant[@]}" | tail -1)
+        ar_draft=$(mlx-dflash models fetch qwen2.5-coder-0.5b --dtype "$dtype" "${quant[@]}" | tail -1)
+        mlx-dflash bench --model "$model" --draft "$CODER_DRAFT" --ar-draft "$ar_draft" --num-draft-tokens 2 3 4 6 8 "${PROMPT_ARGS[@]}" \
+          --num-prompts "$NUM_PROMPTS" --lengths $LENGTHS --out "$RESULTS/$name" | tee "$RESULTS/$name.md"
+      done ;;
+    *) echo "unknown part: $part (default-f32, default-bf16, scale, cold, floor, prefix, context, quantized, context-pair, serve, serve-rounds, stream-interval, switch-interval, attention, trees-long, joins, coder-1.5b)" >&2; exit 2 ;;
   esac
 done
