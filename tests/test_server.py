@@ -679,7 +679,9 @@ def test_ctrl_c_after_concurrent_requests_exits_cleanly(tiny_dir):
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda i: client(base).completions.create(
                 model=target, prompt=f"def f{i}(x):", max_tokens=12, temperature=0.5 * (i % 2)), range(4)))
-        assert all(a.choices[0].text for a in answers)
+        # (a sampled reply may end at once: its text can be empty; the greedy ones are fixed)
+        assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
+        assert all(a.choices[0].text for a in answers[::2])
     finally:
         server.send_signal(signal.SIGINT)
         output = server.communicate(timeout=60)[0]
