@@ -46,7 +46,8 @@ RESULTS=${RESULTS:-bench_out/gpu}
 NUM_PROMPTS=${NUM_PROMPTS:-164}
 LENGTHS=${LENGTHS:-1024}
 PROMPT_ARGS=(); [ -n "${PROMPTS:-}" ] && PROMPT_ARGS=(--prompts "$PROMPTS")
-DRAFT=$(python3 -c "from mlx_dflash.models import shipped_draft; print(shipped_draft('smollm2-135m'))")
+shipped_draft() { python3 -c "from mlx_dflash.models import shipped_draft; print(shipped_draft('$1'))"; }
+DRAFT=$(shipped_draft smollm2-135m)
 mkdir -p "$RESULTS"
 python3 -c "import mlx.core as mx; print('MLX', mx.__version__, mx.default_device())" | tee "$RESULTS/device.txt"
 # Our batching server (bfloat16) at 8 and 16 clients x 4 requests with benchmarks/serve.py's --OPTION at
@@ -142,7 +143,7 @@ for part in "${PARTS[@]}"; do
         done
       done ;;
     coder-1.5b)
-      CODER_DRAFT=$(python3 -c "from mlx_dflash.models import shipped_draft; print(shipped_draft('qwen2.5-coder-1.5b'))")
+      CODER_DRAFT=$(shipped_draft qwen2.5-coder-1.5b)
       for variant in bfloat16 float32 bfloat16:4; do
         dtype=${variant%:*} quant=(); [ "$variant" != "$dtype" ] && quant=(--quantize ${variant#*:})
         name=coder-1.5b-$dtype${quant[1]:+-q${quant[1]}}

@@ -299,7 +299,8 @@ def greedy_batch(model, prompts: list[list[int]], max_tokens: int, eos_ids: set[
     return responses
 
 
-def answer_order(todo: list[tuple[int, list[int]]], batch_size: int, batches_per_window: int = 16) -> list:
+def answer_order(todo: list[tuple[int, list[int]]], batch_size: int,
+                 batches_per_window: int = 16) -> list[tuple[int, list[int]]]:
     """The (id, prompt ids) pairs in the order they are answered: windows of ``batches_per_window``
     batches taken in the prompts' order, each sorted by length. A batch's rows then have similar
     lengths (little padding), and a run stopped early holds prompts of every length, not only the
